@@ -1,0 +1,46 @@
+"""Pure-torch attention backend: runs on CPU and GPU, the baseline every kernel is checked against."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from rlt_serve.attention.backend import AttentionBackend, AttentionMetadata
+from rlt_serve.engine.kv_cache import KVCache
+
+
+class TorchAttentionBackend(AttentionBackend):
+    """Writes K/V by flat slot index, then one SDPA call per row over that row's plane."""
+
+    name = "torch"
+
+    def prepare_extra(self, meta: AttentionMetadata, kv: KVCache) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
+        ps = kv.page_size
+        out = []
+        for row in meta.rows:
+            pages = torch.tensor(row.page_ids, dtype=torch.long)
+            pos = torch.arange(row.end_pos)
+            ctx = (pages[pos // ps] * ps + pos % ps).to(kv.device)
+            mask = None
+            if row.num_query > 1:
+                q_pos = torch.arange(row.start_pos, row.end_pos)
+                mask = (pos[None, :] <= q_pos[:, None]).to(kv.device)
+            out.append((ctx, mask))
+        return out
+
+    def forward(self, q, k, v, kv, layer, meta, scale):
+        k_flat, v_flat = kv.flat(layer)
+        base = kv.plane_base(layer)
+        planes = meta.token_depth_slot + base
+        k_flat[planes, meta.slot_mapping] = k.to(k_flat.dtype)
+        v_flat[planes, meta.slot_mapping] = v.to(v_flat.dtype)
+        out = torch.empty_like(q)
+        gqa = q.shape[1] != k.shape[1]
+        for row, start, (ctx, mask) in zip(meta.rows, meta.query_start, meta.extra):
+            plane = base + row.depth_slot
+            keys = k_flat[plane].index_select(0, ctx).transpose(0, 1)
+            values = v_flat[plane].index_select(0, ctx).transpose(0, 1)
+            qi = q[start : start + row.num_query].transpose(0, 1)
+            oi = F.scaled_dot_product_attention(qi, keys, values, attn_mask=mask, scale=scale, enable_gqa=gqa)
+            out[start : start + row.num_query] = oi.transpose(0, 1)
+        return out

@@ -1,0 +1,211 @@
+"""Model and engine configuration.
+
+`ModelConfig` normalises the families' differently named `config.json` fields into one
+vocabulary (a looped decoder: layers, heads, loops), so nothing downstream reads raw dicts.
+`EngineConfig` holds the serving knobs (pages, budgets, backends) and validates combinations
+once, at construction, so an unsupported one never runs.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+SUPPORTED_MODEL_TYPES = ("ouro", "nanbeige")
+
+# Nanbeige's config class can switch on features the released checkpoints do not use. We do not
+# implement them, so a checkpoint that enables one is rejected instead of run silently wrong.
+_NANBEIGE_UNSUPPORTED_FLAGS = (
+    "enable_double_loop_split",
+    "enable_hyper_connection",
+    "enable_mhc",
+    "enable_depth_attention",
+    "qk_layernorm",
+    "attention_bias",
+    "mlp_bias",
+    "loop_share_kv",
+    "skip_loop_final_norm",
+)
+
+_DTYPES = {
+    "float32": torch.float32,
+    "float": torch.float32,
+    "fp32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+    "float16": torch.float16,
+    "half": torch.float16,
+    "fp16": torch.float16,
+}
+
+
+class ConfigError(ValueError):
+    """A checkpoint's config.json or an engine argument that cannot be served."""
+
+
+def parse_dtype(dtype: str | torch.dtype | None, default: str = "float32") -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        if dtype not in _DTYPES.values():
+            raise ConfigError(f"unsupported dtype {dtype}; use float32, bfloat16 or float16")
+        return dtype
+    name = default if dtype in (None, "auto") else str(dtype).replace("torch.", "")
+    if name not in _DTYPES:
+        raise ConfigError(f"unsupported dtype {dtype!r}; use float32, bfloat16 or float16")
+    return _DTYPES[name]
+
+
+def _ids(value: Any) -> list[int]:
+    if value is None:
+        return []
+    if isinstance(value, int):
+        return [value]
+    return [int(v) for v in value]
+
+
+@dataclass
+class ModelConfig:
+    """One looped decoder: `num_hidden_layers` shared layers applied `num_loops` times."""
+
+    model_type: str
+    hidden_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    intermediate_size: int
+    vocab_size: int
+    num_loops: int
+    rope_theta: float
+    rms_norm_eps: float
+    max_position_embeddings: int
+    tie_word_embeddings: bool = False
+    sandwich_norm: bool = False
+    exit_gate: bool = False
+    early_exit_threshold: float = 1.0
+    bos_token_id: int | None = None
+    eos_token_ids: list[int] = field(default_factory=list)
+    pad_token_id: int | None = None
+    checkpoint_dtype: str = "float32"
+    raw: dict[str, Any] = field(default_factory=dict, repr=False)
+
+    @property
+    def variable_depth(self) -> bool:
+        """Ouro may run any loop count per request; Nanbeige's semantics fix it."""
+        return self.model_type == "ouro"
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any], source: str = "config.json") -> "ModelConfig":
+        model_type = d.get("model_type")
+        if model_type not in SUPPORTED_MODEL_TYPES:
+            raise ConfigError(
+                f"{source}: unknown model_type {model_type!r}; supported: {', '.join(SUPPORTED_MODEL_TYPES)}"
+            )
+
+        def need(key: str) -> Any:
+            if key not in d:
+                raise ConfigError(f"{source}: missing required field {key!r} for model_type {model_type!r}")
+            return d[key]
+
+        act = d.get("hidden_act", "silu")
+        if act != "silu":
+            raise ConfigError(f"{source}: hidden_act {act!r} is not supported (only 'silu')")
+        if d.get("rope_scaling"):
+            raise ConfigError(f"{source}: rope_scaling {d['rope_scaling']!r} is not supported")
+        if d.get("use_sliding_window"):
+            raise ConfigError(f"{source}: sliding-window attention is not supported")
+        heads = int(need("num_attention_heads"))
+        hidden = int(need("hidden_size"))
+        common = dict(
+            model_type=model_type,
+            hidden_size=hidden,
+            num_hidden_layers=int(need("num_hidden_layers")),
+            num_attention_heads=heads,
+            num_key_value_heads=int(d.get("num_key_value_heads") or heads),
+            head_dim=int(d.get("head_dim") or hidden // heads),
+            intermediate_size=int(need("intermediate_size")),
+            vocab_size=int(need("vocab_size")),
+            rope_theta=float(d.get("rope_theta", 10000.0)),
+            max_position_embeddings=int(d.get("max_position_embeddings", 4096)),
+            tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
+            bos_token_id=d.get("bos_token_id"),
+            eos_token_ids=_ids(d.get("eos_token_id")),
+            pad_token_id=d.get("pad_token_id"),
+            checkpoint_dtype=str(d.get("torch_dtype") or d.get("dtype") or "float32"),
+            raw=dict(d),
+        )
+        if common["num_attention_heads"] % common["num_key_value_heads"]:
+            raise ConfigError(f"{source}: num_attention_heads must be a multiple of num_key_value_heads")
+        if model_type == "ouro":
+            return cls(
+                **common,
+                num_loops=int(d.get("total_ut_steps", 4)),
+                rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)),
+                sandwich_norm=True,
+                exit_gate=True,
+                early_exit_threshold=float(d.get("early_exit_threshold", 1.0)),
+            )
+        for flag in _NANBEIGE_UNSUPPORTED_FLAGS:
+            if d.get(flag):
+                raise ConfigError(f"{source}: Nanbeige option {flag}={d[flag]!r} is not supported")
+        for key in ("emb_neighbor_num", "insert_ngram_layer_idx"):
+            if d.get(key):
+                raise ConfigError(f"{source}: Nanbeige n-gram embeddings ({key}) are not supported")
+        if int(d.get("pretraining_tp", 1)) != 1:
+            raise ConfigError(f"{source}: pretraining_tp != 1 is not supported")
+        loop_weights = d.get("loop_loss_weights") or []
+        loops = len(loop_weights) + 1 if loop_weights else int(d.get("num_loops", 1))
+        return cls(**common, num_loops=loops, rms_norm_eps=float(d.get("rms_norm_eps", 1e-5)))
+
+    @classmethod
+    def from_pretrained(cls, model_dir: str, overrides: dict[str, Any] | None = None) -> "ModelConfig":
+        path = os.path.join(model_dir, "config.json")
+        if not os.path.isfile(path):
+            raise ConfigError(f"{path}: not found (a model directory needs config.json)")
+        try:
+            with open(path, encoding="utf-8") as f:
+                d = json.load(f)
+        except json.JSONDecodeError as e:
+            raise ConfigError(f"{path}: not valid JSON ({e})") from e
+        if overrides:
+            d = {**d, **overrides}
+        return cls.from_dict(d, source=path)
+
+
+KV_LAYOUTS = ("separate",)
+ATTENTION_BACKENDS = ("auto", "torch")
+
+
+@dataclass
+class EngineConfig:
+    """Serving knobs. Names follow vLLM's engine args where one exists."""
+
+    page_size: int = 16
+    num_kv_pages: int | None = None  # None: derived from kv_cache_memory_bytes
+    kv_cache_memory_bytes: int = 256 << 20  # CPU pool size when num_kv_pages is None
+    gpu_memory_utilization: float = 0.9  # CUDA: fraction of device memory the engine may use
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 512  # token budget of one core call
+    long_prefill_token_threshold: int = 256  # chunk size: longest prompt span started at once
+    max_model_len: int | None = None
+    max_loops: int | None = None  # depth slots reserved per core layer; default: checkpoint loops
+    kv_layout: str = "separate"
+    attention_backend: str = "auto"
+    max_logprobs: int = 20
+    seed: int = 0
+
+    def validate(self) -> None:
+        if self.kv_layout not in KV_LAYOUTS:
+            raise ConfigError(f"kv_layout={self.kv_layout!r} is not supported; choose from {KV_LAYOUTS}")
+        if self.attention_backend not in ATTENTION_BACKENDS:
+            raise ConfigError(
+                f"attention_backend={self.attention_backend!r} is not available; choose from {ATTENTION_BACKENDS}"
+            )
+        for name in ("page_size", "max_num_seqs", "max_num_batched_tokens", "long_prefill_token_threshold"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.num_kv_pages is not None and self.num_kv_pages < 1:
+            raise ConfigError(f"num_kv_pages must be >= 1, got {self.num_kv_pages}")

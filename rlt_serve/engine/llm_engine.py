@@ -1,0 +1,196 @@
+"""`LLMEngine`: the loop that ties scheduler, model runner, sampler and output processor.
+
+Requests arrive with token ids (tokenising is the caller's job, as in the router), are added and
+aborted between steps, and each `step()` is one core call. Every request ends exactly once and
+its final `RequestOutput` (finish_reason stop, length or abort) is returned by exactly one step.
+"""
+
+from __future__ import annotations
+
+import random
+from typing import Any
+
+import torch
+
+from rlt_serve.config import ConfigError, EngineConfig, ModelConfig, parse_dtype
+from rlt_serve.engine.block_manager import BlockManager
+from rlt_serve.engine.model_runner import ModelRunner
+from rlt_serve.engine.output_processor import OutputProcessor
+from rlt_serve.engine.sampler import Sampler, top_logprobs
+from rlt_serve.engine.scheduler import Scheduler
+from rlt_serve.engine.sequence import Sequence, SequenceStatus
+from rlt_serve.loader import load_generation_config
+from rlt_serve.models import get_model_class
+from rlt_serve.outputs import RequestOutput
+from rlt_serve.sampling_params import SamplingParams
+
+
+def resolve_device(device: str | torch.device) -> torch.device:
+    if str(device) == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dev = torch.device(device)
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("device='cuda' was asked for but no CUDA device is available")
+    if dev.type not in ("cpu", "cuda"):
+        raise ConfigError(f"device {device!r} is not supported; use cpu, cuda or auto")
+    return dev
+
+
+class LLMEngine:
+    def __init__(
+        self,
+        model: str,
+        dtype: str | torch.dtype = "auto",
+        device: str = "auto",
+        skip_tokenizer_init: bool = False,
+        hf_overrides: dict[str, Any] | None = None,
+        **engine_args: Any,
+    ) -> None:
+        unknown = set(engine_args) - set(EngineConfig.__dataclass_fields__)
+        if unknown:
+            raise ConfigError(f"unknown engine argument(s): {', '.join(sorted(unknown))}")
+        self.model_dir = model
+        self.model_config = ModelConfig.from_pretrained(model, hf_overrides)
+        cfg = EngineConfig(**engine_args)
+        cfg.validate()
+        self.engine_config = cfg
+        self.device = resolve_device(device)
+        self.dtype = parse_dtype(dtype, default=self.model_config.checkpoint_dtype)
+        self.generation_config = load_generation_config(model)
+        self.tokenizer = None
+        if not skip_tokenizer_init:
+            from rlt_serve.tokenizer import Tokenizer
+
+            self.tokenizer = Tokenizer.from_pretrained(model)
+        if cfg.max_loops is not None and cfg.max_loops < self.model_config.num_loops:
+            raise ConfigError(f"max_loops={cfg.max_loops} is below the checkpoint's {self.model_config.num_loops} loops")
+        self.runner = ModelRunner(model, self.model_config, cfg, self.dtype, self.device)
+        num_pages = self.runner.kv.num_pages
+        capacity = num_pages * cfg.page_size
+        self.max_model_len = min(cfg.max_model_len or self.model_config.max_position_embeddings, capacity)
+        if cfg.max_model_len is not None and cfg.max_model_len > capacity:
+            raise ConfigError(f"max_model_len={cfg.max_model_len} needs more KV than the pool holds ({capacity} tokens)")
+        self.block_manager = BlockManager(num_pages, cfg.page_size)
+        self.scheduler = Scheduler(cfg, self.block_manager)
+        self.output_processor = OutputProcessor(self._eos_token_ids(), self.max_model_len, self.tokenizer)
+        self.sampler = Sampler(self.output_processor.stop_ids)
+        self._seqs: dict[str, Sequence] = {}
+        self._aborted: list[Sequence] = []
+        self._rng = random.Random(cfg.seed)
+
+    def _eos_token_ids(self) -> set[int]:
+        ids = set(self.model_config.eos_token_ids)
+        gen_eos = self.generation_config.get("eos_token_id")
+        ids |= set([gen_eos] if isinstance(gen_eos, int) else gen_eos or [])
+        if self.tokenizer is not None:
+            if self.tokenizer.eos_token_id is not None:
+                ids.add(self.tokenizer.eos_token_id)
+            for tok in get_model_class(self.model_config).extra_stop_tokens:
+                tid = self.tokenizer.token_to_id(tok)
+                if tid is not None:
+                    ids.add(tid)
+        return ids
+
+    # -- requests -------------------------------------------------------------------------
+    def add_request(
+        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, prompt: str | None = None
+    ) -> None:
+        if request_id in self._seqs:
+            raise ValueError(f"request_id {request_id!r} is already running")
+        self._validate(prompt_token_ids, params)
+        num_loops = params.num_loops or self.model_config.num_loops
+        seed = params.seed if params.seed is not None else self._rng.getrandbits(63)
+        gen = torch.Generator(device=self.device)
+        gen.manual_seed(seed)
+        seq = Sequence(request_id, list(prompt_token_ids), params, num_loops, gen, prompt=prompt)
+        if self.tokenizer is not None and params.detokenize:
+            from rlt_serve.tokenizer import IncrementalDetokenizer
+
+            seq.detokenizer = IncrementalDetokenizer(self.tokenizer, skip_special_tokens=params.skip_special_tokens)
+        self._seqs[request_id] = seq
+        self.scheduler.add(seq)
+
+    def _validate(self, ids: list[int], p: SamplingParams) -> None:
+        mc, vocab = self.model_config, self.model_config.vocab_size
+        if not ids:
+            raise ValueError("prompt: the prompt must contain at least one token")
+        bad = [t for t in ids if not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"prompt_token_ids: token id {bad[0]} is outside the vocabulary [0, {vocab})")
+        if len(ids) >= self.max_model_len:
+            raise ValueError(
+                f"prompt: {len(ids)} tokens leave no room to generate within max_model_len={self.max_model_len}"
+            )
+        if p.num_loops is not None:
+            if not mc.variable_depth and p.num_loops != mc.num_loops:
+                raise ValueError(f"num_loops: {mc.model_type} runs a fixed {mc.num_loops} loops, got {p.num_loops}")
+            if p.num_loops > self.runner.max_loops:
+                raise ValueError(
+                    f"num_loops: {p.num_loops} exceeds the engine's max_loops={self.runner.max_loops} depth slots"
+                )
+        for name in ("logprobs", "prompt_logprobs"):
+            k = getattr(p, name)
+            if k is not None and k > self.engine_config.max_logprobs:
+                raise ValueError(f"{name}: {k} exceeds max_logprobs={self.engine_config.max_logprobs}")
+        if any(t < 0 or t >= vocab for t in p.stop_token_ids):
+            raise ValueError("stop_token_ids: ids must be inside the vocabulary")
+        if p.stop and self.tokenizer is None:
+            raise ValueError("stop: stop strings need the tokenizer (skip_tokenizer_init=True was set)")
+
+    def abort_request(self, request_id: str | list[str]) -> None:
+        for rid in [request_id] if isinstance(request_id, str) else request_id:
+            seq = self._seqs.get(rid)
+            if seq is not None and not seq.status.finished:
+                self.scheduler.finish(seq, SequenceStatus.FINISHED_ABORTED)
+                self._aborted.append(seq)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self._seqs)
+
+    # -- the loop -------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        outputs = [self._retire(seq) for seq in self._aborted]
+        self._aborted.clear()
+        if not self.scheduler.has_unfinished():
+            return outputs
+        sched = self.scheduler.schedule()
+        if not sched.rows:
+            if self.scheduler.running or self.scheduler.waiting:
+                raise RuntimeError("scheduler made no progress: the KV pool cannot hold any waiting request")
+            return outputs
+        result = self.runner.execute(sched)
+        self.scheduler.advance(sched)
+        for seq, start, logits in result.prompt_logits:
+            self._record_prompt_logprobs(seq, start, logits)
+        if result.sample_seqs:
+            samples = self.sampler(result.sample_logits, result.sample_seqs)
+            for seq, sample in zip(result.sample_seqs, samples):
+                status = self.output_processor.process_token(seq, sample)
+                if status is not None:
+                    self.scheduler.finish(seq, status)
+                    outputs.append(self._retire(seq))
+                else:
+                    outputs.append(self.output_processor.make_output(seq))
+        return outputs
+
+    def _retire(self, seq: Sequence) -> RequestOutput:
+        self._seqs.pop(seq.request_id, None)
+        return self.output_processor.make_output(seq)
+
+    def _record_prompt_logprobs(self, seq: Sequence, start: int, logits: torch.Tensor) -> None:
+        next_tokens = seq.prompt_token_ids[start + 1 : start + 1 + logits.shape[0]]
+        tables = top_logprobs(torch.log_softmax(logits, dim=-1), next_tokens, seq.params.prompt_logprobs)
+        if self.tokenizer is not None:
+            for table in tables:
+                for tok, lp in table.items():
+                    lp.decoded_token = self.tokenizer.decode([tok], skip_special_tokens=False)
+        seq.prompt_logprobs.extend(tables)
+
+    # -- introspection for tests and metrics ---------------------------------------------
+    @property
+    def num_free_pages(self) -> int:
+        return self.block_manager.num_free_pages
+
+    @property
+    def num_pages(self) -> int:
+        return self.block_manager.num_pages

@@ -1,0 +1,86 @@
+"""Token sampling: greedy, temperature, top-k, top-p, min-p, with per-request RNG.
+
+Each request draws its noise from its own generator (exponential-race sampling: argmax of
+p / Exp(1) is a draw from p), so its tokens do not depend on what else is in the batch.
+Reported logprobs come from the raw model distribution, as vLLM reports them by default.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from rlt_serve.engine.sequence import Sequence
+from rlt_serve.outputs import Logprob, PositionLogprobs
+
+
+@dataclass
+class SampleResult:
+    token: int
+    logprob: float
+    logprobs: PositionLogprobs | None
+
+
+def top_logprobs(logprobs: torch.Tensor, token_ids: list[int], k: int) -> list[PositionLogprobs]:
+    """For each row: the given token and the k most likely ones, with 1-based ranks."""
+    out: list[PositionLogprobs] = []
+    top_vals, top_idx = logprobs.topk(k, dim=-1) if k > 0 else (None, None)
+    chosen = logprobs.gather(1, torch.tensor(token_ids, device=logprobs.device)[:, None]).squeeze(1)
+    ranks = (logprobs > chosen[:, None]).sum(-1) + 1
+    chosen_l, ranks_l = chosen.tolist(), ranks.tolist()
+    tv = top_vals.tolist() if k > 0 else [[]] * len(token_ids)
+    ti = top_idx.tolist() if k > 0 else [[]] * len(token_ids)
+    for i, tok in enumerate(token_ids):
+        entry = {tok: Logprob(chosen_l[i], ranks_l[i])}
+        for r, (t, v) in enumerate(zip(ti[i], tv[i])):
+            entry.setdefault(t, Logprob(v, r + 1))
+        out.append(entry)
+    return out
+
+
+class Sampler:
+    def __init__(self, stop_ids_for: "callable[[Sequence], set[int]]") -> None:
+        self._stop_ids_for = stop_ids_for
+
+    def __call__(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[SampleResult]:
+        raw = torch.log_softmax(logits, dim=-1)
+        logits = logits.clone()
+        for i, seq in enumerate(seqs):
+            if len(seq.output_token_ids) < seq.params.min_tokens:
+                ids = [t for t in self._stop_ids_for(seq) if t < logits.shape[-1]]
+                if ids:
+                    logits[i, ids] = float("-inf")
+        tokens = [self._sample_row(logits[i], seq) for i, seq in enumerate(seqs)]
+        chosen = raw.gather(1, torch.tensor(tokens, device=raw.device)[:, None]).squeeze(1).tolist()
+        k = max((s.params.logprobs or 0) for s in seqs)
+        need = any(s.params.logprobs is not None for s in seqs)
+        tables = top_logprobs(raw, tokens, k) if need else [None] * len(seqs)
+        results = []
+        for i, seq in enumerate(seqs):
+            table = None
+            if seq.params.logprobs is not None:
+                keep = seq.params.logprobs
+                table = {t: lp for t, lp in tables[i].items() if t == tokens[i] or lp.rank <= keep}
+            results.append(SampleResult(tokens[i], chosen[i], table))
+        return results
+
+    @staticmethod
+    def _sample_row(row: torch.Tensor, seq: Sequence) -> int:
+        p = seq.params
+        if p.greedy:
+            return int(row.argmax())
+        row = row / p.temperature
+        if p.top_k > 0 and p.top_k < row.shape[-1]:
+            kth = row.topk(p.top_k).values[-1]
+            row = row.masked_fill(row < kth, float("-inf"))
+        probs = torch.softmax(row, dim=-1)
+        if p.top_p < 1.0:
+            sorted_p, order = probs.sort(descending=True)
+            cum = sorted_p.cumsum(-1)
+            drop = (cum - sorted_p) > p.top_p  # keep the smallest prefix whose mass reaches top_p
+            probs = probs.scatter(0, order, sorted_p.masked_fill(drop, 0.0))
+        if p.min_p > 0.0:
+            probs = probs.masked_fill(probs < p.min_p * probs.max(), 0.0)
+        noise = torch.empty_like(probs).exponential_(generator=seq.generator)
+        return int((probs / noise).argmax())

@@ -1,0 +1,108 @@
+"""A request's token state and its in-flight row.
+
+The unit of work is a row `(request, span [start, end), depth)`. A sequence has at most one
+span in flight; the span carries the hidden state between core calls while it climbs depths
+0..num_loops-1, and is retired when its last depth is done (its KV is then valid in every plane).
+"""
+
+from __future__ import annotations
+
+import enum
+import itertools
+from dataclasses import dataclass, field
+
+import torch
+
+from rlt_serve.outputs import Logprob, PositionLogprobs
+from rlt_serve.sampling_params import SamplingParams
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED_STOPPED = "stop"
+    FINISHED_LENGTH = "length"
+    FINISHED_ABORTED = "abort"
+
+    @property
+    def finished(self) -> bool:
+        return self not in (SequenceStatus.WAITING, SequenceStatus.RUNNING)
+
+
+@dataclass
+class Span:
+    start: int
+    end: int
+    depth: int = 0
+    hidden: torch.Tensor | None = None  # [end - start, H] state entering `depth`
+    injected: torch.Tensor | None = None  # prelude output re-injected at every depth (Huginn)
+
+    @property
+    def num_tokens(self) -> int:
+        return self.end - self.start
+
+
+_arrival = itertools.count()
+
+
+@dataclass(eq=False)
+class Sequence:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    num_loops: int
+    generator: torch.Generator
+    prompt: str | None = None
+    output_token_ids: list[int] = field(default_factory=list)
+    status: SequenceStatus = SequenceStatus.WAITING
+    arrival: int = field(default_factory=lambda: next(_arrival))
+    page_table: list[int] = field(default_factory=list)
+    num_computed: int = 0  # tokens whose KV is written at every depth
+    span: Span | None = None
+    logprobs: list[PositionLogprobs] | None = None
+    prompt_logprobs: list[PositionLogprobs | None] | None = None
+    cumulative_logprob: float = 0.0
+    text: str = ""
+    stop_reason: int | str | None = None
+    num_preemptions: int = 0
+    detokenizer: object | None = None
+
+    def __post_init__(self) -> None:
+        if self.params.logprobs is not None:
+            self.logprobs = []
+        if self.params.prompt_logprobs is not None:
+            self.prompt_logprobs = [None]  # the first prompt token has no distribution
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    def token_ids(self, start: int, end: int) -> list[int]:
+        p = self.num_prompt_tokens
+        if end <= p:
+            return self.prompt_token_ids[start:end]
+        return (self.prompt_token_ids + self.output_token_ids)[start:end]
+
+    def wants_prompt_logprobs(self) -> bool:
+        """True while prompt positions still need their distributions recorded."""
+        return self.prompt_logprobs is not None and len(self.prompt_logprobs) < self.num_prompt_tokens
+
+    def append_token(self, token: int, logprobs: PositionLogprobs | None, logprob: float) -> None:
+        self.output_token_ids.append(token)
+        self.cumulative_logprob += logprob
+        if self.logprobs is not None and logprobs is not None:
+            self.logprobs.append(logprobs)
+
+    def reset_for_recompute(self) -> None:
+        """Preemption by recomputation: forget KV and the in-flight row, keep tokens and RNG."""
+        self.span = None
+        self.num_computed = 0
+        self.num_preemptions += 1
+        self.status = SequenceStatus.WAITING
+
+
+__all__ = ["Logprob", "Sequence", "SequenceStatus", "Span"]

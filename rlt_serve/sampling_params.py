@@ -1,0 +1,85 @@
+"""`SamplingParams`, named and shaped like vLLM's, plus the per-request depth controls."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+_GREEDY_EPS = 1e-5
+
+
+@dataclass
+class SamplingParams:
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 or -1: disabled
+    min_p: float = 0.0
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    include_stop_str_in_output: bool = False
+    ignore_eos: bool = False
+    max_tokens: int | None = 16
+    min_tokens: int = 0
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
+    skip_special_tokens: bool = True
+    detokenize: bool = True
+    # Depth control. num_loops: fixed depth (None: the checkpoint's). min_loops / exit_threshold
+    # are reserved for adaptive depth and rejected until it exists.
+    num_loops: int | None = None
+    min_loops: int | None = None
+    exit_threshold: float | None = None
+    extra_args: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        self.stop = list(self.stop or [])
+        self.stop_token_ids = list(self.stop_token_ids or [])
+        if self.top_k == -1:
+            self.top_k = 0
+        self._validate()
+
+    def _validate(self) -> None:
+        def bad(name: str, why: str) -> None:
+            raise ValueError(f"{name}: {why}, got {getattr(self, name)!r}")
+
+        if self.n != 1:
+            bad("n", "only n=1 is supported by the engine; fan out requests instead")
+        if self.temperature < 0:
+            bad("temperature", "must be >= 0")
+        if not 0 < self.top_p <= 1:
+            bad("top_p", "must be in (0, 1]")
+        if self.top_k < 0:
+            bad("top_k", "must be -1, 0 (disabled) or positive")
+        if not 0 <= self.min_p <= 1:
+            bad("min_p", "must be in [0, 1]")
+        if self.max_tokens is not None and self.max_tokens < 1:
+            bad("max_tokens", "must be >= 1")
+        if self.min_tokens < 0:
+            bad("min_tokens", "must be >= 0")
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            bad("min_tokens", f"must be <= max_tokens ({self.max_tokens})")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and value < 0:
+                bad(name, "must be >= 0")
+        if any(not s for s in self.stop):
+            bad("stop", "stop strings must be non-empty")
+        if self.num_loops is not None and self.num_loops < 1:
+            bad("num_loops", "must be >= 1")
+        if self.min_loops is not None:
+            bad("min_loops", "adaptive depth is not implemented yet; use num_loops for a fixed depth")
+        if self.exit_threshold is not None and self.exit_threshold != 1.0:
+            bad("exit_threshold", "adaptive depth is not implemented yet; only 1.0 (fixed depth) is accepted")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature < _GREEDY_EPS
+
+    def clone(self, **changes: Any) -> "SamplingParams":
+        values = {f.name: getattr(self, f.name) for f in fields(self)}
+        values.update(changes)
+        return SamplingParams(**values)

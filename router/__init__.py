@@ -1,0 +1,1 @@
+"""OpenAI-compatible HTTP router (FastAPI): admission, routing, streaming. Never touches a device."""

@@ -1,0 +1,1 @@
+"""Worker processes around one engine each, and the ZMQ/NIXL transport between them."""
