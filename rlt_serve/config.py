@@ -175,7 +175,7 @@ class ModelConfig:
         return cls.from_dict(d, source=path)
 
 
-KV_LAYOUTS = ("separate",)
+KV_LAYOUTS = ("separate", "last_exited", "shared")
 ATTENTION_BACKENDS = ("auto", "torch")
 
 
@@ -193,6 +193,10 @@ class EngineConfig:
     max_model_len: int | None = None
     max_loops: int | None = None  # depth slots reserved per core layer; default: checkpoint loops
     kv_layout: str = "separate"
+    enable_prefix_caching: bool = True
+    enable_wavefront_prefill: bool = True  # WCPB: chunks of one prompt climb depths together
+    enable_mixed_batching: bool = True  # decode rows and prompt rows share core calls
+    swap_space_bytes: int = 1 << 30  # host memory for snapshots of preempted requests
     attention_backend: str = "auto"
     max_logprobs: int = 20
     seed: int = 0
@@ -204,6 +208,24 @@ class EngineConfig:
             raise ConfigError(
                 f"attention_backend={self.attention_backend!r} is not available; choose from {ATTENTION_BACKENDS}"
             )
+        if self.kv_layout == "shared":
+            # One slot per core layer, overwritten each loop: a token reads earlier tokens at their
+            # final depth. That is only well defined token by token, so prompts run one token per
+            # span, and wavefront prefill (earlier chunks still mid-depth) cannot be valid.
+            if self.long_prefill_token_threshold != 1:
+                raise ConfigError(
+                    "kv_layout='shared' needs long_prefill_token_threshold=1 (token-by-token semantics); "
+                    f"got {self.long_prefill_token_threshold}"
+                )
+            if self.enable_wavefront_prefill:
+                raise ConfigError("kv_layout='shared' cannot be combined with enable_wavefront_prefill=True")
+        if self.long_prefill_token_threshold > self.max_num_batched_tokens:
+            raise ConfigError(
+                f"long_prefill_token_threshold={self.long_prefill_token_threshold} exceeds "
+                f"max_num_batched_tokens={self.max_num_batched_tokens}: a chunk must fit one core call"
+            )
+        if self.swap_space_bytes < 0:
+            raise ConfigError(f"swap_space_bytes must be >= 0, got {self.swap_space_bytes}")
         for name in ("page_size", "max_num_seqs", "max_num_batched_tokens", "long_prefill_token_threshold"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")

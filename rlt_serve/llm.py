@@ -65,6 +65,7 @@ class LLM:
         prompts: PromptType | Seq[PromptType],
         sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
         use_tqdm: bool = False,
+        priority: list[int] | None = None,
     ) -> list[RequestOutput]:
         if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
@@ -74,13 +75,16 @@ class LLM:
         params = list(sampling_params) if isinstance(sampling_params, (list, tuple)) else [sampling_params] * len(prompts)
         if len(params) != len(prompts):
             raise ValueError(f"got {len(prompts)} prompts but {len(params)} sampling params")
+        priorities = list(priority) if priority is not None else [0] * len(prompts)
+        if len(priorities) != len(prompts):
+            raise ValueError(f"got {len(prompts)} prompts but {len(priorities)} priorities")
         engine = self.llm_engine
         order: list[str] = []
         try:
-            for prompt, p in zip(prompts, params):
+            for prompt, p, prio in zip(prompts, params, priorities):
                 ids, text = self._token_ids(prompt)
                 rid = str(next(self._counter))
-                engine.add_request(rid, ids, p, prompt=text)
+                engine.add_request(rid, ids, p, prompt=text, priority=prio)
                 order.append(rid)
             done: dict[str, RequestOutput] = {}
             while engine.has_unfinished_requests():

@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from rlt_serve.config import ConfigError, ModelConfig
-from rlt_serve.loader import checkpoint_files, load_state_dict
+from rlt_serve.loader import load_state_dict
 
 
 @dataclass

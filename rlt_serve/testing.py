@@ -87,6 +87,8 @@ def _config(family: str, dtype: str, overrides: dict[str, Any]) -> dict[str, Any
     if family not in ("ouro", "nanbeige"):
         raise ConfigError(f"unknown family {family!r}; use 'ouro' or 'nanbeige'")
     cfg = {**_COMMON, **(_OURO if family == "ouro" else _NANBEIGE), **overrides}
+    if family == "ouro" and "num_key_value_heads" not in overrides:
+        cfg["num_key_value_heads"] = cfg["num_attention_heads"]  # Ouro is MHA unless told otherwise
     cfg["torch_dtype"] = cfg["dtype"] = dtype
     return dict(sorted(cfg.items()))
 

@@ -7,22 +7,50 @@ its final `RequestOutput` (finish_reason stop, length or abort) is returned by e
 
 from __future__ import annotations
 
+import os
 import random
 from typing import Any
 
 import torch
 
 from rlt_serve.config import ConfigError, EngineConfig, ModelConfig, parse_dtype
+from dataclasses import dataclass, field
+
 from rlt_serve.engine.block_manager import BlockManager
 from rlt_serve.engine.model_runner import ModelRunner
 from rlt_serve.engine.output_processor import OutputProcessor
 from rlt_serve.engine.sampler import Sampler, top_logprobs
 from rlt_serve.engine.scheduler import Scheduler
+from rlt_serve.engine.swap import SwapSpace
 from rlt_serve.engine.sequence import Sequence, SequenceStatus
 from rlt_serve.loader import load_generation_config
 from rlt_serve.models import get_model_class
 from rlt_serve.outputs import RequestOutput
 from rlt_serve.sampling_params import SamplingParams
+
+
+@dataclass
+class EngineStats:
+    """Counters a worker exports as metrics; cumulative unless named `last_*`."""
+
+    num_running: int = 0
+    num_waiting: int = 0
+    num_free_pages: int = 0
+    num_pages: int = 0
+    num_preemptions: int = 0
+    num_swap_preemptions: int = 0
+    num_recompute_preemptions: int = 0
+    prefix_cache_queries: int = 0  # tokens
+    prefix_cache_hits: int = 0  # tokens
+    swap_used_bytes: int = 0
+    num_core_calls: int = 0
+    num_row_tokens: int = 0  # tokens over all rows of all core calls (one per token per depth)
+    num_prompt_tokens: int = 0  # prompt tokens that finished their last depth
+    num_generation_tokens: int = 0
+    finished: dict[str, int] = field(default_factory=dict)  # finish_reason -> count
+    last_num_rows: int = 0
+    last_num_depths: int = 0  # distinct depths in the last core call
+    last_num_tokens: int = 0
 
 
 def resolve_device(device: str | torch.device) -> torch.device:
@@ -70,13 +98,17 @@ class LLMEngine:
         self.max_model_len = min(cfg.max_model_len or self.model_config.max_position_embeddings, capacity)
         if cfg.max_model_len is not None and cfg.max_model_len > capacity:
             raise ConfigError(f"max_model_len={cfg.max_model_len} needs more KV than the pool holds ({capacity} tokens)")
-        self.block_manager = BlockManager(num_pages, cfg.page_size)
-        self.scheduler = Scheduler(cfg, self.block_manager)
+        self.block_manager = BlockManager(num_pages, cfg.page_size, cfg.enable_prefix_caching)
+        self.swap_space = SwapSpace(self.runner.kv, cfg.swap_space_bytes) if cfg.swap_space_bytes else None
+        # Pages are shared only between requests computed the same way.
+        salt = f"{os.path.realpath(model)}|{self.dtype}|{cfg.kv_layout}|{self.runner.max_loops}".encode()
+        self.scheduler = Scheduler(cfg, self.block_manager, self.swap_space, salt)
         self.output_processor = OutputProcessor(self._eos_token_ids(), self.max_model_len, self.tokenizer)
         self.sampler = Sampler(self.output_processor.stop_ids)
         self._seqs: dict[str, Sequence] = {}
         self._aborted: list[Sequence] = []
         self._rng = random.Random(cfg.seed)
+        self._stats = EngineStats(num_pages=num_pages)
 
     def _eos_token_ids(self) -> set[int]:
         ids = set(self.model_config.eos_token_ids)
@@ -93,7 +125,12 @@ class LLMEngine:
 
     # -- requests -------------------------------------------------------------------------
     def add_request(
-        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, prompt: str | None = None
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        prompt: str | None = None,
+        priority: int = 0,
     ) -> None:
         if request_id in self._seqs:
             raise ValueError(f"request_id {request_id!r} is already running")
@@ -102,7 +139,7 @@ class LLMEngine:
         seed = params.seed if params.seed is not None else self._rng.getrandbits(63)
         gen = torch.Generator(device=self.device)
         gen.manual_seed(seed)
-        seq = Sequence(request_id, list(prompt_token_ids), params, num_loops, gen, prompt=prompt)
+        seq = Sequence(request_id, list(prompt_token_ids), params, num_loops, gen, prompt=prompt, priority=priority)
         if self.tokenizer is not None and params.detokenize:
             from rlt_serve.tokenizer import IncrementalDetokenizer
 
@@ -159,11 +196,19 @@ class LLMEngine:
                 raise RuntimeError("scheduler made no progress: the KV pool cannot hold any waiting request")
             return outputs
         result = self.runner.execute(sched)
-        self.scheduler.advance(sched)
+        st = self._stats
+        st.num_core_calls += 1
+        st.last_num_rows = len(sched.rows)
+        st.last_num_depths = len({span.depth for _, span in sched.rows})
+        st.last_num_tokens = sched.num_tokens
+        st.num_row_tokens += sched.num_tokens
+        for seq, span in self.scheduler.advance(sched):
+            st.num_prompt_tokens += max(0, min(span.end, seq.num_prompt_tokens) - span.start)
         for seq, start, logits in result.prompt_logits:
             self._record_prompt_logprobs(seq, start, logits)
         if result.sample_seqs:
             samples = self.sampler(result.sample_logits, result.sample_seqs)
+            st.num_generation_tokens += len(samples)
             for seq, sample in zip(result.sample_seqs, samples):
                 status = self.output_processor.process_token(seq, sample)
                 if status is not None:
@@ -175,6 +220,8 @@ class LLMEngine:
 
     def _retire(self, seq: Sequence) -> RequestOutput:
         self._seqs.pop(seq.request_id, None)
+        reason = seq.status.value
+        self._stats.finished[reason] = self._stats.finished.get(reason, 0) + 1
         return self.output_processor.make_output(seq)
 
     def _record_prompt_logprobs(self, seq: Sequence, start: int, logits: torch.Tensor) -> None:
@@ -187,6 +234,19 @@ class LLMEngine:
         seq.prompt_logprobs.extend(tables)
 
     # -- introspection for tests and metrics ---------------------------------------------
+    def stats(self) -> EngineStats:
+        st = self._stats
+        st.num_running = len(self.scheduler.running)
+        st.num_waiting = len(self.scheduler.waiting)
+        st.num_free_pages = self.block_manager.num_free_pages
+        st.num_preemptions = self.scheduler.num_preemptions
+        st.num_swap_preemptions = self.scheduler.num_swap_preemptions
+        st.num_recompute_preemptions = self.scheduler.num_recompute_preemptions
+        st.prefix_cache_queries = self.block_manager.prefix_queries
+        st.prefix_cache_hits = self.block_manager.prefix_hits
+        st.swap_used_bytes = self.swap_space.used_bytes if self.swap_space else 0
+        return st
+
     @property
     def num_free_pages(self) -> int:
         return self.block_manager.num_free_pages

@@ -15,7 +15,7 @@ import torch
 from rlt_serve.attention import RowSpec, get_attention_backend
 from rlt_serve.config import EngineConfig, ModelConfig
 from rlt_serve.engine.kv_cache import KVCache
-from rlt_serve.engine.scheduler import SchedulerOutput
+from rlt_serve.engine.scheduler import Row, SchedulerOutput
 from rlt_serve.engine.sequence import Sequence
 from rlt_serve.loader import load_into_module
 from rlt_serve.models import get_model_class
@@ -50,7 +50,8 @@ class ModelRunner:
         load_into_module(model, model_dir, dtype, device)
         self.model = model.eval()
         self.max_loops = engine_config.max_loops or model_config.num_loops
-        self.slots_per_layer = model.kv_slots_per_layer(self.max_loops)
+        core_slots = 1 if engine_config.kv_layout == "shared" else self.max_loops
+        self.slots_per_layer = model.kv_slots_per_layer(core_slots)
         self.kv = KVCache(
             slots_per_layer=self.slots_per_layer,
             num_pages=self._num_pages(),
@@ -73,49 +74,90 @@ class ModelRunner:
             budget = int(total * ec.gpu_memory_utilization) - (total - free) - _ACTIVATION_RESERVE
         return max(1, budget // (per_token * ec.page_size))
 
-    def _context(self, seqs: list[Sequence], depth_of) -> CoreContext:
-        specs = [RowSpec(s.span.num_tokens, s.span.start, depth_of(s), s.page_table) for s in seqs]
+    def depth_slot(self, depth: int) -> int:
+        """The KV slot a core row at `depth` reads and writes under the engine's layout."""
+        return 0 if self.engine_config.kv_layout == "shared" else depth
+
+    def _context(self, rows: list[Row], core: bool) -> CoreContext:
+        specs = [
+            RowSpec(span.num_tokens, span.start, self.depth_slot(span.depth) if core else 0, seq.page_table)
+            for seq, span in rows
+        ]
         return CoreContext(self.backend, self.kv, self.backend.prepare(specs, self.kv))
 
     @staticmethod
-    def _positions(seqs: list[Sequence], device: torch.device) -> torch.Tensor:
-        return torch.cat([torch.arange(s.span.start, s.span.end) for s in seqs]).to(device)
+    def _positions(rows: list[Row], device: torch.device) -> torch.Tensor:
+        return torch.cat([torch.arange(span.start, span.end) for _, span in rows]).to(device)
+
+    @staticmethod
+    def _split(rows: list[Row], t: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return t.split([span.num_tokens for _, span in rows])
 
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput) -> RunnerOutput:
         rows, model, dev = sched.rows, self.model, self.device
-        starting = [seq for seq in rows if seq.span.depth == 0]
+        starting = [(seq, span) for seq, span in rows if span.depth == 0]
         if starting:
-            ids = [t for seq in starting for t in seq.token_ids(seq.span.start, seq.span.end)]
-            ctx = self._context(starting, lambda s: 0) if model.prelude_attention else None
+            ids = [t for seq, span in starting for t in seq.token_ids(span.start, span.end)]
+            ctx = self._context(starting, core=False) if model.prelude_attention else None
             pre = model.prelude(torch.tensor(ids, dtype=torch.long, device=dev), self._positions(starting, dev), ctx)
-            sizes = [s.span.num_tokens for s in starting]
-            injected = pre.injected.split(sizes) if pre.injected is not None else [None] * len(starting)
-            for seq, h, e in zip(starting, pre.hidden.split(sizes), injected):
-                seq.span.hidden, seq.span.injected = h, e
-        hidden = torch.cat([seq.span.hidden for seq in rows])
-        injected = torch.cat([seq.span.injected for seq in rows]) if rows[0].span.injected is not None else None
-        ctx = self._context(rows, lambda s: s.span.depth)
-        core = model.core(hidden, injected, self._positions(rows, dev), ctx)
-        for seq, h in zip(rows, core.hidden.split([s.span.num_tokens for s in rows])):
-            seq.span.hidden = h
-        return self._coda([seq for seq in rows if seq.span.depth + 1 == seq.num_loops])
+            injected = self._split(starting, pre.injected) if pre.injected is not None else [None] * len(starting)
+            for (_, span), h, e in zip(starting, self._split(starting, pre.hidden), injected):
+                span.hidden, span.injected = h, e
+        hidden = torch.cat([span.hidden for _, span in rows])
+        injected = torch.cat([span.injected for _, span in rows]) if rows[0][1].injected is not None else None
+        core = model.core(hidden, injected, self._positions(rows, dev), self._context(rows, core=True))
+        for (_, span), h in zip(rows, self._split(rows, core.hidden)):
+            span.hidden = h
+        exiting = [(seq, span) for seq, span in rows if span.depth + 1 == seq.num_loops]
+        if self.engine_config.kv_layout == "last_exited":
+            self._fill_deeper_slots(exiting)
+        return self._coda(exiting)
 
-    def _coda(self, exiting: list[Sequence]) -> RunnerOutput:
+    def _fill_deeper_slots(self, exiting: list[Row]) -> None:
+        """`last_exited`: a token leaving the core at depth e copies its slot e into e+1..D-1, so
+        a later token at any depth reads the deepest state this token reached."""
+        rows = [(seq, span) for seq, span in exiting if span.depth + 1 < self.max_loops]
+        if not rows:
+            return
+        kv, ps = self.kv, self.kv.page_size
+        slots = torch.tensor(
+            [seq.page_table[pos // ps] * ps + pos % ps for seq, span in rows for pos in range(span.start, span.end)],
+            dtype=torch.long,
+            device=self.device,
+        )
+        exit_slot = torch.tensor(
+            [span.depth for seq, span in rows for _ in range(span.num_tokens)], dtype=torch.long, device=self.device
+        )
+        for layer, n_slots in enumerate(self.slots_per_layer):
+            if n_slots != self.max_loops:  # prelude/coda layers have a single slot
+                continue
+            base = kv.plane_base(layer)
+            k_flat, v_flat = kv.flat(layer)
+            k_src, v_src = k_flat[base + exit_slot, slots], v_flat[base + exit_slot, slots]
+            for d in range(1, self.max_loops):
+                mask = exit_slot < d
+                if mask.any():
+                    k_flat[base + d, slots[mask]] = k_src[mask]
+                    v_flat[base + d, slots[mask]] = v_src[mask]
+
+    def _coda(self, exiting: list[Row]) -> RunnerOutput:
         """Run the coda where rows leave the core; logits only where a distribution is needed."""
         out = RunnerOutput()
         if not exiting:
             return out
         model = self.model
         if model.coda_attention:  # every exiting token writes its coda KV, later tokens read it
-            ctx = self._context(exiting, lambda s: 0)
-            coded = model.coda(torch.cat([s.span.hidden for s in exiting]), self._positions(exiting, self.device), ctx)
-            for seq, h in zip(exiting, coded.split([s.span.num_tokens for s in exiting])):
-                seq.span.hidden = h
+            coded = model.coda(
+                torch.cat([span.hidden for _, span in exiting]),
+                self._positions(exiting, self.device),
+                self._context(exiting, core=False),
+            )
+            for (_, span), h in zip(exiting, self._split(exiting, coded)):
+                span.hidden = h
         picks: list[torch.Tensor] = []
         prompt_parts: list[tuple[Sequence, int, int]] = []
-        for seq in exiting:
-            span = seq.span
+        for seq, span in exiting:
             if seq.wants_prompt_logprobs():
                 # Positions already recorded (before a preemption) are not recorded twice.
                 first = max(span.start, len(seq.prompt_logprobs) - 1)
@@ -123,10 +165,10 @@ class ModelRunner:
                 if stop > first:
                     prompt_parts.append((seq, first, stop - first))
                     picks.append(span.hidden[first - span.start : stop - span.start])
-        for seq in exiting:
-            if seq.span.end == seq.num_tokens:
+        for seq, span in exiting:
+            if span.end == seq.num_tokens:
                 out.sample_seqs.append(seq)
-                picks.append(seq.span.hidden[-1:])
+                picks.append(span.hidden[-1:])
         if not picks:
             return out
         selected = torch.cat(picks)

@@ -1,131 +1,236 @@
 """Loop-level continuous batching: which rows run in the next core call.
 
-The batch is rebuilt at every recurrence boundary. Rows already in flight climb one depth per
-call (oldest request first); then idle running requests start their next span (a decode token or
-a prompt chunk) under the token budget; then waiting requests are admitted. Pages are taken only
-for the span being started. When the pool runs dry the newest unscheduled request is preempted by
-recomputation (its tokens and RNG are kept, its pages freed), so the engine cannot wedge.
+The batch is rebuilt at every recurrence boundary, in (priority, arrival) order:
+- decode rows first (one token each), then prompt rows fill the remaining token budget
+  (mixed batching); with mixed batching off a call holds prompt rows or decode rows, prompt first;
+- a prompt is split into spans under the budget (chunked prefill); with wavefront prefill span c
+  may run at depth d once (c, d-1) and (c-1, d) are done, so one request's chunks climb together;
+- waiting requests are admitted last, reusing cached prefix pages when prefix caching is on.
+Pages are taken only for the span being started. When the pool runs dry the lowest-priority,
+latest-arrived request that is not in this call is preempted: snapshotted to swap space when it
+fits, else reset for recomputation. Its tokens and RNG are kept, so nothing is lost.
 """
 
 from __future__ import annotations
 
-from collections import deque
+import bisect
 from dataclasses import dataclass, field
 
 from rlt_serve.config import EngineConfig
-from rlt_serve.engine.block_manager import BlockManager
+from rlt_serve.engine.block_manager import BlockManager, chain_hash
 from rlt_serve.engine.sequence import Sequence, SequenceStatus, Span
+from rlt_serve.engine.swap import SwapSpace
+
+Row = tuple[Sequence, Span]
 
 
 @dataclass
 class SchedulerOutput:
-    rows: list[Sequence]  # each scheduled sequence's `span` is the row, at `span.depth`
+    rows: list[Row] = field(default_factory=list)
     preempted: list[Sequence] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:
-        return sum(seq.span.num_tokens for seq in self.rows)
+        return sum(span.num_tokens for _, span in self.rows)
+
+
+class _Pass:
+    """State of one schedule() call."""
+
+    def __init__(self, budget: int) -> None:
+        self.budget = budget
+        self.out = SchedulerOutput()
+        self.scheduled: set[int] = set()
+
+    def add(self, seq: Sequence, span: Span) -> None:
+        self.out.rows.append((seq, span))
+        self.scheduled.add(id(seq))
+        self.budget -= span.num_tokens
 
 
 class Scheduler:
-    def __init__(self, cfg: EngineConfig, block_manager: BlockManager) -> None:
+    def __init__(
+        self, cfg: EngineConfig, block_manager: BlockManager, swap: SwapSpace | None = None, salt: bytes = b""
+    ) -> None:
         self.cfg = cfg
         self.block_manager = block_manager
-        self.waiting: deque[Sequence] = deque()
+        self.swap = swap
+        self.salt = salt
+        self.waiting: list[Sequence] = []  # sorted by order_key
         self.running: list[Sequence] = []
-        self.num_preemptions = 0
+        self.num_swap_preemptions = 0
+        self.num_recompute_preemptions = 0
+
+    @property
+    def num_preemptions(self) -> int:
+        return self.num_swap_preemptions + self.num_recompute_preemptions
 
     def add(self, seq: Sequence) -> None:
-        self.waiting.append(seq)
+        bisect.insort(self.waiting, seq, key=lambda s: s.order_key)
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 
+    # -- one call -------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
-        budget = self.cfg.max_num_batched_tokens
-        out = SchedulerOutput(rows=[])
-        scheduled: set[int] = set()
-        # 1. Rows in flight climb one depth.
-        for seq in self.running:
-            if seq.span is not None and seq.span.num_tokens <= budget:
-                budget -= seq.span.num_tokens
-                out.rows.append(seq)
-                scheduled.add(id(seq))
-        # 2. Idle running requests start their next span.
+        self.running.sort(key=lambda s: s.order_key)
+        p = _Pass(self.cfg.max_num_batched_tokens)
+        if self.cfg.enable_mixed_batching:
+            self._schedule_decode(p)
+            self._schedule_prefill(p, self.running)
+            self._admit(p)
+        else:  # phase-separated: prompt rows first, decode only in calls without them
+            self._schedule_prefill(p, self.running)
+            self._admit(p)
+            if not p.out.rows:
+                self._schedule_decode(p)
+        return p.out
+
+    def _schedule_decode(self, p: _Pass) -> None:
         for seq in list(self.running):
-            if budget == 0:
-                break
-            if seq.span is None and seq.status is SequenceStatus.RUNNING:
-                budget -= self._start_span(seq, budget, out, scheduled)
-        # 3. Admit waiting requests.
-        while self.waiting and budget > 0 and len(self.running) < self.cfg.max_num_seqs:
+            if p.budget == 0:
+                return
+            if seq.status is not SequenceStatus.RUNNING or not seq.decoding or id(seq) in p.scheduled:
+                continue
+            if seq.spans:
+                p.add(seq, seq.spans[0])
+            elif self._make_room(seq, seq.frontier + 1, p, admitting=False):
+                seq.spans.append(Span(seq.frontier, seq.frontier + 1))
+                p.add(seq, seq.spans[0])
+
+    def _schedule_prefill(self, p: _Pass, seqs: list[Sequence]) -> None:
+        for seq in list(seqs):
+            if p.budget == 0:
+                return
+            if seq.status is not SequenceStatus.RUNNING or seq.decoding:
+                continue
+            for i, span in enumerate(seq.spans):
+                ready = i == 0 or seq.spans[i - 1].depth > span.depth  # (c-1, d) is done
+                if ready and span.num_tokens <= p.budget:
+                    p.add(seq, span)
+            can_start = not seq.spans or (self.cfg.enable_wavefront_prefill and seq.spans[-1].depth >= 1)
+            if can_start and seq.frontier < seq.num_tokens and p.budget > 0:
+                n = min(seq.num_tokens - seq.frontier, self.cfg.long_prefill_token_threshold, p.budget)
+                if self._make_room(seq, seq.frontier + n, p, admitting=False):
+                    span = Span(seq.frontier, seq.frontier + n)
+                    seq.spans.append(span)
+                    p.add(seq, span)
+
+    def _admit(self, p: _Pass) -> None:
+        bm = self.block_manager
+        while self.waiting and p.budget > 0 and len(self.running) < self.cfg.max_num_seqs:
             seq = self.waiting[0]
-            if not self._fits(seq, budget, out, scheduled, admitting=True):
-                break
-            self.waiting.popleft()
+            if seq.swapped is not None:
+                n_pages = seq.swapped.k.shape[1]
+                if not self._make_room(seq, n_pages * bm.page_size, p, admitting=True):
+                    return
+                self.swap.swap_in(seq)
+            else:
+                self._match_prefix(seq)
+                n = min(seq.num_tokens - seq.frontier, self.cfg.long_prefill_token_threshold, p.budget)
+                if not self._make_room(seq, seq.frontier + n, p, admitting=True):
+                    bm.release(seq.page_table)  # undo the prefix match; retried next call
+                    seq.num_computed = seq.num_registered_pages = 0
+                    return
+            self.waiting.pop(0)
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
-            budget -= self._start_span(seq, budget, out, scheduled)
-        return out
+            if seq.decoding:
+                self._schedule_decode(p)
+            else:
+                self._schedule_prefill(p, [seq])
 
-    def _span_len(self, seq: Sequence, budget: int) -> int:
-        remaining = seq.num_tokens - seq.num_computed
-        return min(remaining, self.cfg.long_prefill_token_threshold, budget)
-
-    def _fits(self, seq: Sequence, budget: int, out: SchedulerOutput, scheduled: set[int], admitting: bool) -> bool:
-        """Make room for `seq`'s next span, preempting newer unscheduled requests if needed."""
-        n = self._span_len(seq, budget)
+    # -- pages, prefix cache, preemption ----------------------------------------------------
+    def _match_prefix(self, seq: Sequence) -> None:
         bm = self.block_manager
-        while not bm.can_ensure(seq.page_table, seq.num_computed + n):
-            victim = None if admitting else self._preemption_victim(seq, scheduled)
-            if victim is None:  # admission never evicts running work
+        if not bm.enable_prefix_caching or seq.wants_prompt_logprobs() or seq.num_computed:
+            return
+        # The last token is always computed: its logits give the next token.
+        full = (seq.num_tokens - 1) // bm.page_size
+        pages = bm.match_prefix(self._page_hashes(seq, full), seq.num_tokens)
+        seq.page_table = pages
+        seq.num_computed = len(pages) * bm.page_size
+        seq.num_registered_pages = len(pages)
+
+    def _page_hashes(self, seq: Sequence, n: int) -> list[bytes]:
+        ps, hashes = self.block_manager.page_size, seq.page_hashes
+        salt = self.salt + seq.num_loops.to_bytes(2, "little")
+        while len(hashes) < n:
+            i = len(hashes)
+            hashes.append(chain_hash(hashes[-1] if hashes else b"", seq.token_ids(i * ps, (i + 1) * ps), salt))
+        return hashes[:n]
+
+    def _register_full_pages(self, seq: Sequence) -> None:
+        bm = self.block_manager
+        full = seq.num_computed // bm.page_size
+        if full > seq.num_registered_pages:
+            for i, h in enumerate(self._page_hashes(seq, full)[seq.num_registered_pages :], seq.num_registered_pages):
+                bm.register(seq.page_table[i], h)
+            seq.num_registered_pages = full
+
+    def _make_room(self, seq: Sequence, num_tokens: int, p: _Pass, admitting: bool) -> bool:
+        """Grow `seq`'s page table to `num_tokens`, preempting lower-ordered requests if needed."""
+        bm = self.block_manager
+        while not bm.can_ensure(seq.page_table, num_tokens):
+            victim = self._victim(seq, p, admitting)
+            if victim is None:
                 return False
-            self._preempt(victim, out)
+            self._preempt(victim, p)
+        bm.ensure(seq.page_table, num_tokens)
         return True
 
-    def _start_span(self, seq: Sequence, budget: int, out: SchedulerOutput, scheduled: set[int]) -> int:
-        if not self._fits(seq, budget, out, scheduled, admitting=False):
-            return 0
-        n = self._span_len(seq, budget)
-        self.block_manager.ensure(seq.page_table, seq.num_computed + n)
-        seq.span = Span(seq.num_computed, seq.num_computed + n)
-        out.rows.append(seq)
-        scheduled.add(id(seq))
-        return n
+    def _victim(self, seq: Sequence, p: _Pass, admitting: bool) -> Sequence | None:
+        """The lowest-priority, latest-arrived running request ordered after `seq`, not in this call.
 
-    def _preemption_victim(self, seq: Sequence, scheduled: set[int]) -> Sequence | None:
-        """The newest request that arrived after `seq`, holds pages and is not in this call."""
-        cands = [c for c in self.running if c.arrival > seq.arrival and id(c) not in scheduled and c.page_table]
-        return max(cands, key=lambda c: c.arrival, default=None)
+        Admission only evicts strictly lower priority, so equal-priority arrivals never thrash."""
+        for cand in reversed(self.running):  # sorted by order_key; worst last
+            if cand is seq or id(cand) in p.scheduled or not cand.page_table:
+                continue
+            worse = cand.priority > seq.priority if admitting else cand.order_key > seq.order_key
+            return cand if worse else None
+        return None
 
-    def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
+    def _preempt(self, seq: Sequence, p: _Pass) -> None:
         self.running.remove(seq)
-        self.block_manager.release(seq.page_table)
-        seq.reset_for_recompute()
-        self.waiting.appendleft(seq)
-        out.preempted.append(seq)
-        self.num_preemptions += 1
+        if self.swap is not None and self.swap.can_swap_out(seq):
+            self.swap.swap_out(seq)
+            self.block_manager.release(seq.page_table)
+            seq.num_registered_pages = 0  # restored pages are private copies until re-registered
+            self.num_swap_preemptions += 1
+        else:
+            self.block_manager.release(seq.page_table)
+            seq.reset_for_recompute()
+            self.num_recompute_preemptions += 1
+        seq.num_preemptions += 1
+        seq.status = SequenceStatus.WAITING
+        self.add(seq)
+        p.out.preempted.append(seq)
 
-    def advance(self, out: SchedulerOutput) -> list[Sequence]:
-        """After a core call: each row is one depth deeper. Returns rows that left the core."""
-        done = []
-        for seq in out.rows:
-            span = seq.span
+    # -- after a call -----------------------------------------------------------------------
+    def advance(self, out: SchedulerOutput) -> list[Row]:
+        """Each row is one depth deeper; spans done with every depth retire, in chunk order."""
+        done: list[Row] = []
+        for seq, span in out.rows:
             span.depth += 1
-            if span.depth == seq.num_loops:
+        for seq in {id(s): s for s, _ in out.rows}.values():
+            while seq.spans and seq.spans[0].depth == seq.num_loops:
+                span = seq.spans.pop(0)
                 seq.num_computed = span.end
-                seq.span = None
-                done.append(seq)
+                done.append((seq, span))
+            if self.block_manager.enable_prefix_caching:
+                self._register_full_pages(seq)
         return done
 
     def finish(self, seq: Sequence, status: SequenceStatus) -> None:
-        """End a request exactly once and give its pages back."""
+        """End a request exactly once and give back its pages and swap space."""
         if seq.status.finished:
             return
         if seq in self.running:
             self.running.remove(seq)
         elif seq in self.waiting:
             self.waiting.remove(seq)
+        if self.swap is not None:
+            self.swap.discard(seq)
         self.block_manager.release(seq.page_table)
-        seq.span = None
+        seq.spans.clear()
         seq.status = status

@@ -1,8 +1,9 @@
-"""A request's token state and its in-flight row.
+"""A request's token state and its in-flight rows.
 
-The unit of work is a row `(request, span [start, end), depth)`. A sequence has at most one
-span in flight; the span carries the hidden state between core calls while it climbs depths
-0..num_loops-1, and is retired when its last depth is done (its KV is then valid in every plane).
+The unit of work is a row `(request, span [start, end), depth)`. A sequence keeps its in-flight
+spans in chunk order; each span carries its hidden state between core calls while it climbs
+depths 0..num_loops-1, and is retired when its last depth is done (its KV is then valid in every
+plane). Without wavefront prefill at most one span is in flight.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from rlt_serve.outputs import Logprob, PositionLogprobs
+from rlt_serve.outputs import PositionLogprobs
 from rlt_serve.sampling_params import SamplingParams
 
 
@@ -42,6 +43,16 @@ class Span:
         return self.end - self.start
 
 
+@dataclass
+class SwapState:
+    """A preempted request's device state, parked in (pinned) CPU memory."""
+
+    k: torch.Tensor  # [num_planes, num_pages, page_size, kv_heads, head_dim]
+    v: torch.Tensor
+    rng_state: torch.Tensor
+    nbytes: int
+
+
 _arrival = itertools.count()
 
 
@@ -53,12 +64,16 @@ class Sequence:
     num_loops: int
     generator: torch.Generator
     prompt: str | None = None
+    priority: int = 0
     output_token_ids: list[int] = field(default_factory=list)
     status: SequenceStatus = SequenceStatus.WAITING
     arrival: int = field(default_factory=lambda: next(_arrival))
     page_table: list[int] = field(default_factory=list)
     num_computed: int = 0  # tokens whose KV is written at every depth
-    span: Span | None = None
+    spans: list[Span] = field(default_factory=list)
+    swapped: SwapState | None = None
+    page_hashes: list[bytes] = field(default_factory=list)  # chain hashes of full pages (prefix cache)
+    num_registered_pages: int = 0
     logprobs: list[PositionLogprobs] | None = None
     prompt_logprobs: list[PositionLogprobs | None] | None = None
     cumulative_logprob: float = 0.0
@@ -74,12 +89,27 @@ class Sequence:
             self.prompt_logprobs = [None]  # the first prompt token has no distribution
 
     @property
+    def order_key(self) -> tuple[int, int]:
+        """Lower runs first: priority, then arrival (vLLM's semantics)."""
+        return (self.priority, self.arrival)
+
+    @property
     def num_prompt_tokens(self) -> int:
         return len(self.prompt_token_ids)
 
     @property
     def num_tokens(self) -> int:
         return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def frontier(self) -> int:
+        """First position not yet in any row: where the next span starts."""
+        return self.spans[-1].end if self.spans else self.num_computed
+
+    @property
+    def decoding(self) -> bool:
+        """The only uncomputed token is the last sampled one."""
+        return self.num_computed == self.num_tokens - 1 and self.num_computed >= self.num_prompt_tokens
 
     def token_ids(self, start: int, end: int) -> list[int]:
         p = self.num_prompt_tokens
@@ -98,11 +128,7 @@ class Sequence:
             self.logprobs.append(logprobs)
 
     def reset_for_recompute(self) -> None:
-        """Preemption by recomputation: forget KV and the in-flight row, keep tokens and RNG."""
-        self.span = None
+        """Preemption by recomputation: forget KV and in-flight rows, keep tokens and RNG."""
+        self.spans.clear()
         self.num_computed = 0
-        self.num_preemptions += 1
-        self.status = SequenceStatus.WAITING
-
-
-__all__ = ["Logprob", "Sequence", "SequenceStatus", "Span"]
+        self.num_registered_pages = 0
