@@ -174,6 +174,48 @@ class ReferenceModel:
         """[T, S, V] fp32 lm_head of every loop's hidden state (what an exit at loop u emits)."""
         return F.linear(out.loop_hidden, self.weights["lm_head.weight"]).float()
 
+    @torch.no_grad()
+    def forward_shared_kv(self, ids: list[int], num_loops: int | None = None) -> torch.Tensor:
+        """Logits [S, V] under the opt-in `shared` KV layout, token by token: each core layer keeps
+        one K/V slot, overwritten every loop, so a token reads earlier tokens at their final loop
+        and itself at its current loop. Not the model's trained semantics."""
+        cfg, w = self.config, self.weights
+        loops, d = self._num_loops(num_loops), cfg.head_dim
+        group = cfg.num_attention_heads // cfg.num_key_value_heads
+        cos_all, sin_all = rope_cos_sin(len(ids), d, cfg.rope_theta, self.dtype)
+        cache: list[tuple[list[torch.Tensor], list[torch.Tensor]]] = [([], []) for _ in range(cfg.num_hidden_layers)]
+        rows = []
+        for t, tok in enumerate(ids):
+            h = w["model.embed_tokens.weight"][tok : tok + 1]
+            cos, sin = cos_all[..., t : t + 1, :], sin_all[..., t : t + 1, :]
+            for u in range(loops):
+                for i in range(cfg.num_hidden_layers):
+                    p = f"model.layers.{i}."
+                    x = rms_norm(h, w[p + "input_layernorm.weight"], cfg.rms_norm_eps)
+                    q = F.linear(x, w[p + "self_attn.q_proj.weight"]).view(1, cfg.num_attention_heads, d).transpose(0, 1)
+                    k = F.linear(x, w[p + "self_attn.k_proj.weight"]).view(1, cfg.num_key_value_heads, d).transpose(0, 1)
+                    v = F.linear(x, w[p + "self_attn.v_proj.weight"]).view(1, cfg.num_key_value_heads, d).transpose(0, 1)
+                    q = q * cos + rotate_half(q) * sin
+                    k = k * cos + rotate_half(k) * sin
+                    keys = torch.cat(cache[i][0] + [k], dim=1).repeat_interleave(group, dim=0)
+                    vals = torch.cat(cache[i][1] + [v], dim=1).repeat_interleave(group, dim=0)
+                    probs = torch.softmax((q @ keys.transpose(1, 2)) * d**-0.5, dim=-1, dtype=torch.float32)
+                    o = (probs.to(x.dtype) @ vals).transpose(0, 1).reshape(1, -1)
+                    a = F.linear(o, w[p + "self_attn.o_proj.weight"])
+                    if cfg.sandwich_norm:
+                        a = rms_norm(a, w[p + "input_layernorm_2.weight"], cfg.rms_norm_eps)
+                    h = h + a
+                    m = self._mlp(p + "mlp.", rms_norm(h, w[p + "post_attention_layernorm.weight"], cfg.rms_norm_eps))
+                    if cfg.sandwich_norm:
+                        m = rms_norm(m, w[p + "post_attention_layernorm_2.weight"], cfg.rms_norm_eps)
+                    h = h + m
+                    if u == loops - 1:
+                        cache[i][0].append(k)
+                        cache[i][1].append(v)
+                h = rms_norm(h, w["model.norm.weight"], cfg.rms_norm_eps)
+            rows.append(F.linear(h, w["lm_head.weight"]).float()[0])
+        return torch.stack(rows)
+
     def greedy(
         self, ids: list[int], max_tokens: int, num_loops: int | None = None
     ) -> tuple[list[int], torch.Tensor]:

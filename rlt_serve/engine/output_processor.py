@@ -27,7 +27,6 @@ class OutputProcessor:
 
     def process_token(self, seq: Sequence, sample: SampleResult) -> SequenceStatus | None:
         """Record one sampled token; return the finish status if the request ends here."""
-        p = seq.params
         seq.append_token(sample.token, sample.logprobs, sample.logprob)
         delta = ""
         if seq.detokenizer is not None:
@@ -36,14 +35,21 @@ class OutputProcessor:
         if sample.logprobs is not None and self.tokenizer is not None:
             for tok, lp in sample.logprobs.items():
                 lp.decoded_token = self.tokenizer.decode([tok], skip_special_tokens=False)
-        n_out = len(seq.output_token_ids)
+        p = seq.params
+        if len(seq.output_token_ids) >= p.min_tokens and p.stop and delta and self._check_stop_strings(seq, len(delta)):
+            return SequenceStatus.FINISHED_STOPPED  # text already cut at the stop string
+        status = self._token_stop(seq, sample.token)
+        if status is not None and seq.detokenizer is not None:
+            seq.text += seq.detokenizer.flush()  # a held-back partial character ends the text
+        return status
+
+    def _token_stop(self, seq: Sequence, token: int) -> SequenceStatus | None:
+        p, n_out = seq.params, len(seq.output_token_ids)
         if n_out >= p.min_tokens:
-            if sample.token in p.stop_token_ids:
-                seq.stop_reason = sample.token
+            if token in p.stop_token_ids:
+                seq.stop_reason = token
                 return SequenceStatus.FINISHED_STOPPED
-            if not p.ignore_eos and sample.token in self.eos_token_ids:
-                return SequenceStatus.FINISHED_STOPPED
-            if p.stop and delta and self._check_stop_strings(seq, len(delta)):
+            if not p.ignore_eos and token in self.eos_token_ids:
                 return SequenceStatus.FINISHED_STOPPED
         limit = p.max_tokens if p.max_tokens is not None else self.max_model_len
         if n_out >= limit or seq.num_tokens >= self.max_model_len:
