@@ -117,7 +117,10 @@ def _param_specs(cfg: dict[str, Any]) -> list[tuple[str, tuple[int, ...], str]]:
         specs += [(p + f"{n}.weight", (h,), "norm") for n in norms]
     specs.append(("model.norm.weight", (h,), "norm"))
     if ouro:
-        specs += [("model.early_exit_gate.weight", (1, h), "gate_weight"), ("model.early_exit_gate.bias", (1,), "gate_bias")]
+        specs += [
+            ("model.early_exit_gate.weight", (1, h), "gate_weight"),
+            ("model.early_exit_gate.bias", (1,), "gate_bias"),
+        ]
     if not cfg.get("tie_word_embeddings"):
         specs.append(("lm_head.weight", (v, h), "matrix"))
     return specs

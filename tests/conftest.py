@@ -7,10 +7,15 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+import torch
 
 from rlt_serve.testing import write_random_checkpoint
 
 REPO = Path(__file__).resolve().parent.parent
+
+# Tiny models gain nothing from intra-op threads, and on a busy CI box their spin-waits make the
+# suite many times slower; one thread is also how the golden vectors were generated.
+torch.set_num_threads(1)
 
 
 @pytest.fixture(scope="session")
@@ -20,7 +25,7 @@ def golden_dir() -> Path:
     path = Path(env) if env else REPO.parent / "shared" / "golden"
     if not (path / "ouro_s" / "golden.safetensors").is_file():
         pytest.fail(
-            f"golden vectors not found at {path} (from {'RLT_GOLDEN_DIR' if env else 'the default <repo>/../shared/golden'}); "
+            f"golden vectors not found at {path} ({'from RLT_GOLDEN_DIR' if env else 'default location'}); "
             "set RLT_GOLDEN_DIR to the directory holding ouro_s/, nanbeige_s/, ..."
         )
     return path

@@ -48,16 +48,17 @@ def test_ouro_loops_gate_and_exit(golden_dir, prompt):
     loop_logits = ref.loop_logits(out)
     assert out.loop_hidden.shape == (4, s + len(gen) - 1, ref.config.hidden_size)
 
-    torch.testing.assert_close(loop_logits[:, :s], G[f"p{prompt}/prefill_loop_logits"], atol=tol["logits_atol"], rtol=0)
-    torch.testing.assert_close(out.gate_logits[:s], G[f"p{prompt}/prefill_gate_logits"], atol=tol["gate_logits_atol"], rtol=0)
-    torch.testing.assert_close(out.exit_pdf[:s], G[f"p{prompt}/prefill_exit_pdf"], atol=tol["exit_pdf_atol"], rtol=0)
+    def close(got, name, atol):
+        torch.testing.assert_close(got, G[f"p{prompt}/{name}"], atol=tol[atol], rtol=0)
+
+    close(loop_logits[:, :s], "prefill_loop_logits", "logits_atol")
+    close(out.gate_logits[:s], "prefill_gate_logits", "gate_logits_atol")
+    close(out.exit_pdf[:s], "prefill_exit_pdf", "exit_pdf_atol")
 
     rows = slice(s - 1, None)  # decode row k comes from position s-1+k
-    torch.testing.assert_close(
-        loop_logits[:, rows].transpose(0, 1), G[f"p{prompt}/gen_loop_logits"], atol=tol["logits_atol"], rtol=0
-    )
-    torch.testing.assert_close(out.gate_logits[rows], G[f"p{prompt}/gen_gate_logits"], atol=tol["gate_logits_atol"], rtol=0)
-    torch.testing.assert_close(out.exit_pdf[rows], G[f"p{prompt}/gen_exit_pdf"], atol=tol["exit_pdf_atol"], rtol=0)
+    close(loop_logits[:, rows].transpose(0, 1), "gen_loop_logits", "logits_atol")
+    close(out.gate_logits[rows], "gen_gate_logits", "gate_logits_atol")
+    close(out.exit_pdf[rows], "gen_exit_pdf", "exit_pdf_atol")
 
     # The pdf's meaning: the first loop whose cumulative probability reaches q (else the last).
     cdf = out.exit_pdf[:s].cumsum(-1)
