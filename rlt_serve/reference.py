@@ -176,45 +176,78 @@ class ReferenceModel:
 
     @torch.no_grad()
     def forward_shared_kv(self, ids: list[int], num_loops: int | None = None) -> torch.Tensor:
-        """Logits [S, V] under the opt-in `shared` KV layout, token by token: each core layer keeps
-        one K/V slot, overwritten every loop, so a token reads earlier tokens at their final loop
-        and itself at its current loop. Not the model's trained semantics."""
-        cfg, w = self.config, self.weights
-        loops, d = self._num_loops(num_loops), cfg.head_dim
+        """Logits [S, V] under the opt-in `shared` KV layout: each core layer keeps one K/V slot,
+        overwritten every loop, so a token reads earlier tokens at their final loop and itself at
+        its current loop. Not the model's trained semantics."""
+        return self._token_by_token(ids, self._num_loops(num_loops), shared=True)[0]
+
+    @torch.no_grad()
+    def forward_q_exit(
+        self, ids: list[int], threshold: float, min_loops: int = 1, num_loops: int | None = None
+    ) -> tuple[torch.Tensor, list[int]]:
+        """Ouro's Q-exit with compute skipped: (logits [S, V], exit loop per token).
+
+        Token t leaves at the first loop u with u + 1 >= min_loops and 1 - prod_{v<=u}(1 - sigmoid(g_v))
+        >= threshold (fp32), else at the last loop; its logits come from that loop's state. Later
+        tokens read its K/V at loop min(u', exit) (the `last_exited` semantics)."""
+        if not self.config.exit_gate:
+            raise ConfigError(f"{self.config.model_type} has no exit gate")
+        return self._token_by_token(ids, self._num_loops(num_loops), shared=False, q=(threshold, min_loops))
+
+    def _token_by_token(
+        self, ids: list[int], loops: int, shared: bool, q: tuple[float, int] | None = None
+    ) -> tuple[torch.Tensor, list[int]]:
+        """One token at a time through its loops, against per-(layer, slot) lists of earlier K/V."""
+        cfg, w, eps = self.config, self.weights, self.config.rms_norm_eps
+        d = cfg.head_dim
         group = cfg.num_attention_heads // cfg.num_key_value_heads
         cos_all, sin_all = rope_cos_sin(len(ids), d, cfg.rope_theta, self.dtype)
-        cache: list[tuple[list[torch.Tensor], list[torch.Tensor]]] = [([], []) for _ in range(cfg.num_hidden_layers)]
-        rows = []
+        n_slots = 1 if shared else loops
+        cache = [[([], []) for _ in range(n_slots)] for _ in range(cfg.num_hidden_layers)]
+        rows, exits = [], []
         for t, tok in enumerate(ids):
             h = w["model.embed_tokens.weight"][tok : tok + 1]
             cos, sin = cos_all[..., t : t + 1, :], sin_all[..., t : t + 1, :]
+            own: list[list[tuple[torch.Tensor, torch.Tensor]]] = [[] for _ in range(cfg.num_hidden_layers)]
+            remaining, exit_at = torch.ones((), dtype=torch.float32), loops - 1
             for u in range(loops):
                 for i in range(cfg.num_hidden_layers):
                     p = f"model.layers.{i}."
-                    x = rms_norm(h, w[p + "input_layernorm.weight"], cfg.rms_norm_eps)
-                    q = F.linear(x, w[p + "self_attn.q_proj.weight"]).view(1, cfg.num_attention_heads, d).transpose(0, 1)
+                    x = rms_norm(h, w[p + "input_layernorm.weight"], eps)
+                    q_ = F.linear(x, w[p + "self_attn.q_proj.weight"]).view(1, cfg.num_attention_heads, d).transpose(0, 1)
                     k = F.linear(x, w[p + "self_attn.k_proj.weight"]).view(1, cfg.num_key_value_heads, d).transpose(0, 1)
                     v = F.linear(x, w[p + "self_attn.v_proj.weight"]).view(1, cfg.num_key_value_heads, d).transpose(0, 1)
-                    q = q * cos + rotate_half(q) * sin
+                    q_ = q_ * cos + rotate_half(q_) * sin
                     k = k * cos + rotate_half(k) * sin
-                    keys = torch.cat(cache[i][0] + [k], dim=1).repeat_interleave(group, dim=0)
-                    vals = torch.cat(cache[i][1] + [v], dim=1).repeat_interleave(group, dim=0)
-                    probs = torch.softmax((q @ keys.transpose(1, 2)) * d**-0.5, dim=-1, dtype=torch.float32)
+                    own[i].append((k, v))
+                    ks, vs = cache[i][0 if shared else u]
+                    keys = torch.cat(ks + [k], dim=1).repeat_interleave(group, dim=0)
+                    vals = torch.cat(vs + [v], dim=1).repeat_interleave(group, dim=0)
+                    probs = torch.softmax((q_ @ keys.transpose(1, 2)) * d**-0.5, dim=-1, dtype=torch.float32)
                     o = (probs.to(x.dtype) @ vals).transpose(0, 1).reshape(1, -1)
                     a = F.linear(o, w[p + "self_attn.o_proj.weight"])
                     if cfg.sandwich_norm:
-                        a = rms_norm(a, w[p + "input_layernorm_2.weight"], cfg.rms_norm_eps)
+                        a = rms_norm(a, w[p + "input_layernorm_2.weight"], eps)
                     h = h + a
-                    m = self._mlp(p + "mlp.", rms_norm(h, w[p + "post_attention_layernorm.weight"], cfg.rms_norm_eps))
+                    m = self._mlp(p + "mlp.", rms_norm(h, w[p + "post_attention_layernorm.weight"], eps))
                     if cfg.sandwich_norm:
-                        m = rms_norm(m, w[p + "post_attention_layernorm_2.weight"], cfg.rms_norm_eps)
+                        m = rms_norm(m, w[p + "post_attention_layernorm_2.weight"], eps)
                     h = h + m
-                    if u == loops - 1:
-                        cache[i][0].append(k)
-                        cache[i][1].append(v)
-                h = rms_norm(h, w["model.norm.weight"], cfg.rms_norm_eps)
+                h = rms_norm(h, w["model.norm.weight"], eps)
+                if q is not None and u + 1 < loops:
+                    g = F.linear(h, w["model.early_exit_gate.weight"], w["model.early_exit_gate.bias"])
+                    remaining = remaining * (1.0 - torch.sigmoid(g.float()).reshape(()))
+                    if u + 1 >= q[1] and float(1.0 - remaining) >= q[0]:
+                        exit_at = u
+                        break
+            for i in range(cfg.num_hidden_layers):  # publish this token's K/V for later tokens
+                for slot in range(n_slots):
+                    k, v = own[i][-1] if shared else own[i][min(slot, exit_at)]
+                    cache[i][slot][0].append(k)
+                    cache[i][slot][1].append(v)
             rows.append(F.linear(h, w["lm_head.weight"]).float()[0])
-        return torch.stack(rows)
+            exits.append(exit_at)
+        return torch.stack(rows), exits
 
     def greedy(
         self, ids: list[int], max_tokens: int, num_loops: int | None = None

@@ -26,8 +26,8 @@ class SamplingParams:
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
     detokenize: bool = True
-    # Depth control. num_loops: fixed depth (None: the checkpoint's). min_loops / exit_threshold
-    # are reserved for adaptive depth and rejected until it exists.
+    # Depth control. num_loops: the depth (None: the checkpoint's); with exit_threshold q < 1 it
+    # is the most loops a token may run, min_loops the fewest (Ouro's learned-gate Q-exit).
     num_loops: int | None = None
     min_loops: int | None = None
     exit_threshold: float | None = None
@@ -70,10 +70,12 @@ class SamplingParams:
             bad("stop", "stop strings must be non-empty")
         if self.num_loops is not None and self.num_loops < 1:
             bad("num_loops", "must be >= 1")
-        if self.min_loops is not None:
-            bad("min_loops", "adaptive depth is not implemented yet; use num_loops for a fixed depth")
-        if self.exit_threshold is not None and self.exit_threshold != 1.0:
-            bad("exit_threshold", "adaptive depth is not implemented yet; only 1.0 (fixed depth) is accepted")
+        if self.min_loops is not None and self.min_loops < 1:
+            bad("min_loops", "must be >= 1")
+        if self.min_loops is not None and self.num_loops is not None and self.min_loops > self.num_loops:
+            bad("min_loops", f"must be <= num_loops ({self.num_loops})")
+        if self.exit_threshold is not None and not 0.0 < self.exit_threshold <= 1.0:
+            bad("exit_threshold", "must be in (0, 1]")
 
     @property
     def greedy(self) -> bool:

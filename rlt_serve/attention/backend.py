@@ -41,13 +41,16 @@ class AttentionMetadata:
     query_start: list[int]
     slot_mapping: torch.Tensor  # [T] flat (page * page_size + offset) of each query token
     token_depth_slot: torch.Tensor  # [T] depth slot of each query token
+    # [T] bool or None: tokens whose K/V is written. An early-exited token still riding in its
+    # span must not overwrite the exit-depth K/V that `last_exited` copied into deeper slots.
+    write_mask: torch.Tensor | None = None
     extra: Any = None
 
 
 class AttentionBackend(ABC):
     name: str = "abstract"
 
-    def prepare(self, rows: list[RowSpec], kv: KVCache) -> AttentionMetadata:
+    def prepare(self, rows: list[RowSpec], kv: KVCache, write_mask: torch.Tensor | None = None) -> AttentionMetadata:
         """Build the tensors every layer of one core call reuses."""
         ps = kv.page_size
         slots: list[int] = []
@@ -66,6 +69,7 @@ class AttentionBackend(ABC):
             query_start=starts,
             slot_mapping=torch.tensor(slots, dtype=torch.long, device=dev),
             token_depth_slot=torch.tensor(depth, dtype=torch.long, device=dev),
+            write_mask=write_mask,
         )
         meta.extra = self.prepare_extra(meta, kv)
         return meta

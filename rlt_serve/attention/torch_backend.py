@@ -31,9 +31,14 @@ class TorchAttentionBackend(AttentionBackend):
     def forward(self, q, k, v, kv, layer, meta, scale):
         k_flat, v_flat = kv.flat(layer)
         base = kv.plane_base(layer)
-        planes = meta.token_depth_slot + base
-        k_flat[planes, meta.slot_mapping] = k.to(k_flat.dtype)
-        v_flat[planes, meta.slot_mapping] = v.to(v_flat.dtype)
+        planes, slots = meta.token_depth_slot + base, meta.slot_mapping
+        if meta.write_mask is not None:
+            m = meta.write_mask
+            planes, slots, k_new, v_new = planes[m], slots[m], k[m], v[m]
+        else:
+            k_new, v_new = k, v
+        k_flat[planes, slots] = k_new.to(k_flat.dtype)
+        v_flat[planes, slots] = v_new.to(v_flat.dtype)
         out = torch.empty_like(q)
         gqa = q.shape[1] != k.shape[1]
         for row, start, (ctx, mask) in zip(meta.rows, meta.query_start, meta.extra):

@@ -48,6 +48,7 @@ class EngineStats:
     num_prompt_tokens: int = 0  # prompt tokens that finished their last depth
     num_generation_tokens: int = 0
     finished: dict[str, int] = field(default_factory=dict)  # finish_reason -> count
+    exit_depth_counts: dict[int, int] = field(default_factory=dict)  # depth a token left the core -> tokens
     last_num_rows: int = 0
     last_num_depths: int = 0  # distinct depths in the last core call
     last_num_tokens: int = 0
@@ -165,6 +166,16 @@ class LLMEngine:
                 raise ValueError(
                     f"num_loops: {p.num_loops} exceeds the engine's max_loops={self.runner.max_loops} depth slots"
                 )
+        if p.exit_threshold is not None and p.exit_threshold < 1.0:
+            if not mc.exit_gate:
+                raise ValueError(f"exit_threshold: {mc.model_type} has no exit gate; adaptive depth needs Ouro")
+            if self.engine_config.kv_layout != "last_exited":
+                raise ValueError(
+                    "exit_threshold: early exit needs kv_layout='last_exited' (later tokens read an exited "
+                    f"token's deeper KV from its exit depth); the engine runs kv_layout={self.engine_config.kv_layout!r}"
+                )
+        elif p.min_loops is not None:
+            raise ValueError("min_loops: only meaningful with exit_threshold < 1 (adaptive depth)")
         for name in ("logprobs", "prompt_logprobs"):
             k = getattr(p, name)
             if k is not None and k > self.engine_config.max_logprobs:
@@ -204,6 +215,8 @@ class LLMEngine:
         st.num_row_tokens += sched.num_tokens
         for seq, span in self.scheduler.advance(sched):
             st.num_prompt_tokens += max(0, min(span.end, seq.num_prompt_tokens) - span.start)
+        for d in result.exit_depths:
+            st.exit_depth_counts[d] = st.exit_depth_counts.get(d, 0) + 1
         for seq, start, logits in result.prompt_logits:
             self._record_prompt_logprobs(seq, start, logits)
         if result.sample_seqs:

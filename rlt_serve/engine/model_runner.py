@@ -15,8 +15,9 @@ import torch
 from rlt_serve.attention import RowSpec, get_attention_backend
 from rlt_serve.config import EngineConfig, ModelConfig
 from rlt_serve.engine.kv_cache import KVCache
+from rlt_serve.engine.exit_policy import ExitState, q_exit_step
 from rlt_serve.engine.scheduler import Row, SchedulerOutput
-from rlt_serve.engine.sequence import Sequence
+from rlt_serve.engine.sequence import Sequence, Span
 from rlt_serve.loader import load_into_module
 from rlt_serve.models import get_model_class
 from rlt_serve.models.layers import CoreContext
@@ -30,6 +31,7 @@ class RunnerOutput:
     sample_logits: torch.Tensor | None = None  # [len(sample_seqs), V] fp32
     # (sequence, first position, logits [n, V]) whose rows predict prompt tokens position+1...
     prompt_logits: list[tuple[Sequence, int, torch.Tensor]] = field(default_factory=list)
+    exit_depths: list[int] = field(default_factory=list)  # depth at which each token left the core
 
 
 class ModelRunner:
@@ -83,7 +85,15 @@ class ModelRunner:
             RowSpec(span.num_tokens, span.start, self.depth_slot(span.depth) if core else 0, seq.page_table)
             for seq, span in rows
         ]
-        return CoreContext(self.backend, self.kv, self.backend.prepare(specs, self.kv))
+        write_mask = None
+        if core and any(span.exit is not None for _, span in rows):
+            write_mask = torch.cat(
+                [
+                    ~span.exit.exited if span.exit is not None else torch.ones(span.num_tokens, dtype=torch.bool)
+                    for _, span in rows
+                ]
+            ).to(self.device)
+        return CoreContext(self.backend, self.kv, self.backend.prepare(specs, self.kv, write_mask))
 
     @staticmethod
     def _positions(rows: list[Row], device: torch.device) -> torch.Tensor:
@@ -102,44 +112,62 @@ class ModelRunner:
             ctx = self._context(starting, core=False) if model.prelude_attention else None
             pre = model.prelude(torch.tensor(ids, dtype=torch.long, device=dev), self._positions(starting, dev), ctx)
             injected = self._split(starting, pre.injected) if pre.injected is not None else [None] * len(starting)
-            for (_, span), h, e in zip(starting, self._split(starting, pre.hidden), injected):
+            for (seq, span), h, e in zip(starting, self._split(starting, pre.hidden), injected):
                 span.hidden, span.injected = h, e
+                if seq.adaptive:
+                    span.exit = ExitState.new(h)
         hidden = torch.cat([span.hidden for _, span in rows])
         injected = torch.cat([span.injected for _, span in rows]) if rows[0][1].injected is not None else None
         core = model.core(hidden, injected, self._positions(rows, dev), self._context(rows, core=True))
-        for (_, span), h in zip(rows, self._split(rows, core.hidden)):
+        gates = self._split(rows, core.gate_logits) if core.gate_logits is not None else [None] * len(rows)
+        fills: list[tuple[Sequence, Span, torch.Tensor]] = []  # tokens that left the core now
+        adaptive: list[Span] = []
+        for (seq, span), h, g in zip(rows, self._split(rows, core.hidden), gates):
             span.hidden = h
-        exiting = [(seq, span) for seq, span in rows if span.depth + 1 == seq.num_loops]
+            if span.exit is not None:
+                p = seq.params
+                new = q_exit_step(span.exit, g, h, span.depth, p.exit_threshold, p.min_loops or 1, seq.num_loops)
+                fills.append((seq, span, new))
+                adaptive.append(span)
+            elif span.depth + 1 == seq.num_loops:
+                span.finished = True
+                fills.append((seq, span, torch.ones(span.num_tokens, dtype=torch.bool, device=dev)))
+        if adaptive:  # one host read for every adaptive row of the call
+            done = torch.stack([span.exit.exited.all() for span in adaptive]).tolist()
+            for span, d in zip(adaptive, done):
+                span.finished = d
         if self.engine_config.kv_layout == "last_exited":
-            self._fill_deeper_slots(exiting)
-        return self._coda(exiting)
+            self._fill_deeper_slots(fills)
+        return self._coda([(seq, span) for seq, span in rows if span.finished])
 
-    def _fill_deeper_slots(self, exiting: list[Row]) -> None:
+    def _fill_deeper_slots(self, fills: list[tuple[Sequence, Span, torch.Tensor]]) -> None:
         """`last_exited`: a token leaving the core at depth e copies its slot e into e+1..D-1, so
         a later token at any depth reads the deepest state this token reached."""
-        rows = [(seq, span) for seq, span in exiting if span.depth + 1 < self.max_loops]
+        rows = [(seq, span, mask) for seq, span, mask in fills if span.depth + 1 < self.max_loops]
         if not rows:
             return
         kv, ps = self.kv, self.kv.page_size
         slots = torch.tensor(
-            [seq.page_table[pos // ps] * ps + pos % ps for seq, span in rows for pos in range(span.start, span.end)],
+            [seq.page_table[pos // ps] * ps + pos % ps for seq, span, _ in rows for pos in range(span.start, span.end)],
             dtype=torch.long,
             device=self.device,
         )
-        exit_slot = torch.tensor(
-            [span.depth for seq, span in rows for _ in range(span.num_tokens)], dtype=torch.long, device=self.device
-        )
+        mask = torch.cat([m for _, _, m in rows])
+        slots = slots[mask]
+        if slots.numel() == 0:
+            return
+        lowest = min(span.depth for _, span, _ in rows)
+        src = torch.cat([torch.full((span.num_tokens,), span.depth) for _, span, _ in rows]).to(self.device)[mask]
         for layer, n_slots in enumerate(self.slots_per_layer):
             if n_slots != self.max_loops:  # prelude/coda layers have a single slot
                 continue
             base = kv.plane_base(layer)
             k_flat, v_flat = kv.flat(layer)
-            k_src, v_src = k_flat[base + exit_slot, slots], v_flat[base + exit_slot, slots]
-            for d in range(1, self.max_loops):
-                mask = exit_slot < d
-                if mask.any():
-                    k_flat[base + d, slots[mask]] = k_src[mask]
-                    v_flat[base + d, slots[mask]] = v_src[mask]
+            k_src, v_src = k_flat[base + src, slots], v_flat[base + src, slots]
+            for d in range(lowest + 1, self.max_loops):
+                deeper = src < d
+                k_flat[base + d, slots[deeper]] = k_src[deeper]
+                v_flat[base + d, slots[deeper]] = v_src[deeper]
 
     def _coda(self, exiting: list[Row]) -> RunnerOutput:
         """Run the coda where rows leave the core; logits only where a distribution is needed."""
@@ -147,6 +175,12 @@ class ModelRunner:
         if not exiting:
             return out
         model = self.model
+        for _, span in exiting:  # adaptive rows read each token's state at its own exit depth
+            if span.exit is not None:
+                span.hidden = span.exit.hidden
+                out.exit_depths += span.exit.depth.tolist()
+            else:
+                out.exit_depths += [span.depth] * span.num_tokens
         if model.coda_attention:  # every exiting token writes its coda KV, later tokens read it
             coded = model.coda(
                 torch.cat([span.hidden for _, span in exiting]),

@@ -154,7 +154,8 @@ class Scheduler:
 
     def _page_hashes(self, seq: Sequence, n: int) -> list[bytes]:
         ps, hashes = self.block_manager.page_size, seq.page_hashes
-        salt = self.salt + seq.num_loops.to_bytes(2, "little")
+        p = seq.params
+        salt = self.salt + f"|{seq.num_loops}|{p.exit_threshold}|{p.min_loops}".encode()
         while len(hashes) < n:
             i = len(hashes)
             hashes.append(chain_hash(hashes[-1] if hashes else b"", seq.token_ids(i * ps, (i + 1) * ps), salt))
@@ -213,7 +214,7 @@ class Scheduler:
         for seq, span in out.rows:
             span.depth += 1
         for seq in {id(s): s for s, _ in out.rows}.values():
-            while seq.spans and seq.spans[0].depth == seq.num_loops:
+            while seq.spans and seq.spans[0].finished:
                 span = seq.spans.pop(0)
                 seq.num_computed = span.end
                 done.append((seq, span))

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from rlt_serve.engine.exit_policy import ExitState
 from rlt_serve.outputs import PositionLogprobs
 from rlt_serve.sampling_params import SamplingParams
 
@@ -37,6 +38,8 @@ class Span:
     depth: int = 0
     hidden: torch.Tensor | None = None  # [end - start, H] state entering `depth`
     injected: torch.Tensor | None = None  # prelude output re-injected at every depth (Huginn)
+    exit: ExitState | None = None  # per-token early-exit accumulators (adaptive depth)
+    finished: bool = False  # every token has left the core; set by the runner
 
     @property
     def num_tokens(self) -> int:
@@ -92,6 +95,11 @@ class Sequence:
     def order_key(self) -> tuple[int, int]:
         """Lower runs first: priority, then arrival (vLLM's semantics)."""
         return (self.priority, self.arrival)
+
+    @property
+    def adaptive(self) -> bool:
+        """Q-exit is on: tokens may leave the core before `num_loops`."""
+        return self.params.exit_threshold is not None and self.params.exit_threshold < 1.0
 
     @property
     def num_prompt_tokens(self) -> int:

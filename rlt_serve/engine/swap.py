@@ -39,6 +39,7 @@ class SwapSpace:
         for span in seq.spans:
             span.hidden = self._to_host(span.hidden) if span.hidden is not None else None
             span.injected = self._to_host(span.injected) if span.injected is not None else None
+            span.exit = span.exit.to("cpu") if span.exit is not None else None
         nbytes = k.numel() * k.element_size() * 2
         seq.swapped = SwapState(k, v, seq.generator.get_state(), nbytes)
         self.used_bytes += nbytes
@@ -53,6 +54,7 @@ class SwapSpace:
         for span in seq.spans:
             span.hidden = span.hidden.to(dev) if span.hidden is not None else None
             span.injected = span.injected.to(dev) if span.injected is not None else None
+            span.exit = span.exit.to(dev) if span.exit is not None else None
         seq.generator.set_state(state.rng_state)
         self.used_bytes -= state.nbytes
         seq.swapped = None
