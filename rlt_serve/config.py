@@ -197,6 +197,8 @@ class EngineConfig:
     enable_wavefront_prefill: bool = True  # WCPB: chunks of one prompt climb depths together
     enable_mixed_batching: bool = True  # decode rows and prompt rows share core calls
     swap_space_bytes: int = 1 << 30  # host memory for snapshots of preempted requests
+    num_speculative_tokens: int = 0  # self-speculation: drafts per round (0: off)
+    speculative_draft_depth: int = 1  # loops a draft token runs before it is sampled
     attention_backend: str = "auto"
     max_logprobs: int = 20
     seed: int = 0
@@ -224,6 +226,12 @@ class EngineConfig:
                 f"long_prefill_token_threshold={self.long_prefill_token_threshold} exceeds "
                 f"max_num_batched_tokens={self.max_num_batched_tokens}: a chunk must fit one core call"
             )
+        if self.num_speculative_tokens < 0:
+            raise ConfigError(f"num_speculative_tokens must be >= 0, got {self.num_speculative_tokens}")
+        if self.num_speculative_tokens and self.speculative_draft_depth < 1:
+            raise ConfigError(f"speculative_draft_depth must be >= 1, got {self.speculative_draft_depth}")
+        if self.num_speculative_tokens > self.max_num_batched_tokens:
+            raise ConfigError("num_speculative_tokens must fit one core call (max_num_batched_tokens)")
         if self.swap_space_bytes < 0:
             raise ConfigError(f"swap_space_bytes must be >= 0, got {self.swap_space_bytes}")
         for name in ("page_size", "max_num_seqs", "max_num_batched_tokens", "long_prefill_token_threshold"):

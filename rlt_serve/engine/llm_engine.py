@@ -48,6 +48,9 @@ class EngineStats:
     num_prompt_tokens: int = 0  # prompt tokens that finished their last depth
     num_generation_tokens: int = 0
     finished: dict[str, int] = field(default_factory=dict)  # finish_reason -> count
+    num_spec_drafts: int = 0  # verify rounds
+    num_spec_draft_tokens: int = 0
+    num_spec_accepted_tokens: int = 0
     exit_depth_counts: dict[int, int] = field(default_factory=dict)  # depth a token left the core -> tokens
     last_num_rows: int = 0
     last_num_depths: int = 0  # distinct depths in the last core call
@@ -94,6 +97,7 @@ class LLMEngine:
         if cfg.max_loops is not None and cfg.max_loops < self.model_config.num_loops:
             raise ConfigError(f"max_loops={cfg.max_loops} is below the checkpoint's {self.model_config.num_loops} loops")
         self.runner = ModelRunner(model, self.model_config, cfg, self.dtype, self.device)
+        self._check_speculation(cfg)
         num_pages = self.runner.kv.num_pages
         capacity = num_pages * cfg.page_size
         self.max_model_len = min(cfg.max_model_len or self.model_config.max_position_embeddings, capacity)
@@ -103,13 +107,27 @@ class LLMEngine:
         self.swap_space = SwapSpace(self.runner.kv, cfg.swap_space_bytes) if cfg.swap_space_bytes else None
         # Pages are shared only between requests computed the same way.
         salt = f"{os.path.realpath(model)}|{self.dtype}|{cfg.kv_layout}|{self.runner.max_loops}".encode()
-        self.scheduler = Scheduler(cfg, self.block_manager, self.swap_space, salt)
+        self.scheduler = Scheduler(cfg, self.block_manager, self.swap_space, salt, self.max_model_len)
         self.output_processor = OutputProcessor(self._eos_token_ids(), self.max_model_len, self.tokenizer)
         self.sampler = Sampler(self.output_processor.stop_ids)
         self._seqs: dict[str, Sequence] = {}
         self._aborted: list[Sequence] = []
         self._rng = random.Random(cfg.seed)
         self._stats = EngineStats(num_pages=num_pages)
+
+    def _check_speculation(self, cfg: EngineConfig) -> None:
+        if not cfg.num_speculative_tokens:
+            return
+        loops = self.model_config.num_loops
+        if cfg.speculative_draft_depth >= loops:
+            raise ConfigError(
+                f"speculative_draft_depth={cfg.speculative_draft_depth} must be below the model's {loops} loops"
+            )
+        if cfg.kv_layout == "shared":
+            raise ConfigError("self-speculative decoding cannot run with kv_layout='shared' (drafts would "
+                              "overwrite the slot later tokens read)")
+        if self.runner.model.coda_attention:
+            raise ConfigError(f"self-speculative decoding is not implemented for {self.model_config.model_type}")
 
     def _eos_token_ids(self) -> set[int]:
         ids = set(self.model_config.eos_token_ids)
@@ -219,6 +237,10 @@ class LLMEngine:
             st.exit_depth_counts[d] = st.exit_depth_counts.get(d, 0) + 1
         for seq, start, logits in result.prompt_logits:
             self._record_prompt_logprobs(seq, start, logits)
+        for seq, logits in result.draft_logits:  # greedy drafts from the shallow distribution
+            seq.drafts.append(int(logits[0].argmax()))
+        for seq, logits in result.verify_logits:
+            outputs.extend(self._accept_drafts(seq, logits))
         if result.sample_seqs:
             samples = self.sampler(result.sample_logits, result.sample_seqs)
             st.num_generation_tokens += len(samples)
@@ -230,6 +252,36 @@ class LLMEngine:
                 else:
                     outputs.append(self.output_processor.make_output(seq))
         return outputs
+
+    def _accept_drafts(self, seq: Sequence, logits: torch.Tensor) -> list[RequestOutput]:
+        """Commit drafts while the full-depth choice agrees, then the correction; roll back the rest.
+
+        Each position is sampled exactly as non-speculative decoding would (same sampler, min_tokens
+        masks, stop rules), so greedy outputs are identical. Rejected positions are past
+        `num_computed`, so their KV in every plane is simply overwritten later."""
+        drafts, start = list(seq.drafts), seq.num_computed
+        seq.drafts.clear()
+        st = self._stats
+        st.num_spec_drafts += 1
+        st.num_spec_draft_tokens += len(drafts)
+        committed, status = 0, None
+        for i, draft in enumerate(drafts):
+            sample = self.sampler(logits[i : i + 1], [seq])[0]
+            status = self.output_processor.process_token(seq, sample)
+            committed = i + 1
+            st.num_generation_tokens += 1
+            if sample.token != draft:
+                break
+            st.num_spec_accepted_tokens += 1
+            if status is not None:
+                break
+        seq.num_computed = start + committed
+        if self.block_manager.enable_prefix_caching:
+            self.scheduler.register_full_pages(seq)
+        if status is not None:
+            self.scheduler.finish(seq, status)
+            return [self._retire(seq)]
+        return [self.output_processor.make_output(seq)]
 
     def _retire(self, seq: Sequence) -> RequestOutput:
         self._seqs.pop(seq.request_id, None)

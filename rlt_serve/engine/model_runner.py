@@ -32,6 +32,8 @@ class RunnerOutput:
     # (sequence, first position, logits [n, V]) whose rows predict prompt tokens position+1...
     prompt_logits: list[tuple[Sequence, int, torch.Tensor]] = field(default_factory=list)
     exit_depths: list[int] = field(default_factory=list)  # depth at which each token left the core
+    draft_logits: list[tuple[Sequence, torch.Tensor]] = field(default_factory=list)  # shallow [1, V]
+    verify_logits: list[tuple[Sequence, torch.Tensor]] = field(default_factory=list)  # full depth [K, V]
 
 
 class ModelRunner:
@@ -129,8 +131,10 @@ class ModelRunner:
                 new = q_exit_step(span.exit, g, h, span.depth, p.exit_threshold, p.min_loops or 1, seq.num_loops)
                 fills.append((seq, span, new))
                 adaptive.append(span)
-            elif span.depth + 1 == seq.num_loops:
+            elif span.depth + 1 == (span.stop_depth or seq.num_loops):
                 span.finished = True
+                if span.kind == "draft":  # its deeper loops come with the verify row
+                    continue
                 fills.append((seq, span, torch.ones(span.num_tokens, dtype=torch.bool, device=dev)))
         if adaptive:  # one host read for every adaptive row of the call
             done = torch.stack([span.exit.exited.all() for span in adaptive]).tolist()
@@ -199,8 +203,13 @@ class ModelRunner:
                 if stop > first:
                     prompt_parts.append((seq, first, stop - first))
                     picks.append(span.hidden[first - span.start : stop - span.start])
+        spec: list[tuple[Span, Sequence, int]] = []
         for seq, span in exiting:
-            if span.end == seq.num_tokens:
+            if span.kind != "normal":  # self-speculation: every position of the row is needed
+                spec.append((span, seq, span.num_tokens))
+                picks.append(span.hidden)
+        for seq, span in exiting:
+            if span.kind == "normal" and span.end == seq.num_tokens:
                 out.sample_seqs.append(seq)
                 picks.append(span.hidden[-1:])
         if not picks:
@@ -212,6 +221,9 @@ class ModelRunner:
         offset = 0
         for seq, start, n in prompt_parts:
             out.prompt_logits.append((seq, start, logits[offset : offset + n]))
+            offset += n
+        for span, seq, n in spec:
+            (out.draft_logits if span.kind == "draft" else out.verify_logits).append((seq, logits[offset : offset + n]))
             offset += n
         if out.sample_seqs:
             out.sample_logits = logits[offset:]

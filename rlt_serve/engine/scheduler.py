@@ -16,6 +16,8 @@ from __future__ import annotations
 import bisect
 from dataclasses import dataclass, field
 
+import torch
+
 from rlt_serve.config import EngineConfig
 from rlt_serve.engine.block_manager import BlockManager, chain_hash
 from rlt_serve.engine.sequence import Sequence, SequenceStatus, Span
@@ -50,12 +52,18 @@ class _Pass:
 
 class Scheduler:
     def __init__(
-        self, cfg: EngineConfig, block_manager: BlockManager, swap: SwapSpace | None = None, salt: bytes = b""
+        self,
+        cfg: EngineConfig,
+        block_manager: BlockManager,
+        swap: SwapSpace | None = None,
+        salt: bytes = b"",
+        max_model_len: int = 1 << 30,
     ) -> None:
         self.cfg = cfg
         self.block_manager = block_manager
         self.swap = swap
         self.salt = salt
+        self.max_model_len = max_model_len
         self.waiting: list[Sequence] = []  # sorted by order_key
         self.running: list[Sequence] = []
         self.num_swap_preemptions = 0
@@ -92,11 +100,38 @@ class Scheduler:
                 return
             if seq.status is not SequenceStatus.RUNNING or not seq.decoding or id(seq) in p.scheduled:
                 continue
-            if seq.spans:
+            if not seq.spans:
+                span = self._next_decode_span(seq, p)
+                if span is None:
+                    continue
+                seq.spans.append(span)
+            if seq.spans[0].num_tokens <= p.budget:
                 p.add(seq, seq.spans[0])
-            elif self._make_room(seq, seq.frontier + 1, p, admitting=False):
-                seq.spans.append(Span(seq.frontier, seq.frontier + 1))
-                p.add(seq, seq.spans[0])
+
+    def _next_decode_span(self, seq: Sequence, p: _Pass) -> Span | None:
+        """A plain decode row, or with self-speculation the next shallow draft row or the verify row."""
+        k = self._num_drafts(seq)
+        if k == 0:
+            pos = seq.frontier
+            return Span(pos, pos + 1) if self._make_room(seq, pos + 1, p, admitting=False) else None
+        if len(seq.draft_spans) < k:
+            pos = seq.num_computed + len(seq.draft_spans)
+            if not self._make_room(seq, pos + 1, p, admitting=False):
+                return None
+            return Span(pos, pos + 1, kind="draft", stop_depth=self.cfg.speculative_draft_depth)
+        hidden = torch.cat([span.hidden for span in seq.draft_spans])
+        seq.draft_spans.clear()
+        start = seq.num_computed
+        return Span(start, start + k, depth=self.cfg.speculative_draft_depth, hidden=hidden, kind="verify")
+
+    def _num_drafts(self, seq: Sequence) -> int:
+        """Draft tokens for `seq`'s next round: 0 turns speculation off for it (sampling, adaptive
+        depth, or fewer tokens left than drafts)."""
+        k = self.cfg.num_speculative_tokens
+        if k == 0 or not seq.params.greedy or seq.adaptive or seq.num_loops <= self.cfg.speculative_draft_depth:
+            return 0
+        left = (seq.params.max_tokens or self.max_model_len) - len(seq.output_token_ids)
+        return max(0, min(k, left, self.max_model_len - seq.num_tokens))
 
     def _schedule_prefill(self, p: _Pass, seqs: list[Sequence]) -> None:
         for seq in list(seqs):
@@ -161,7 +196,7 @@ class Scheduler:
             hashes.append(chain_hash(hashes[-1] if hashes else b"", seq.token_ids(i * ps, (i + 1) * ps), salt))
         return hashes[:n]
 
-    def _register_full_pages(self, seq: Sequence) -> None:
+    def register_full_pages(self, seq: Sequence) -> None:
         bm = self.block_manager
         full = seq.num_computed // bm.page_size
         if full > seq.num_registered_pages:
@@ -193,6 +228,7 @@ class Scheduler:
 
     def _preempt(self, seq: Sequence, p: _Pass) -> None:
         self.running.remove(seq)
+        seq.drop_speculation()  # drafts are recomputed after restore; committed tokens are kept
         if self.swap is not None and self.swap.can_swap_out(seq):
             self.swap.swap_out(seq)
             self.block_manager.release(seq.page_table)
@@ -216,10 +252,13 @@ class Scheduler:
         for seq in {id(s): s for s, _ in out.rows}.values():
             while seq.spans and seq.spans[0].finished:
                 span = seq.spans.pop(0)
-                seq.num_computed = span.end
+                if span.kind == "draft":
+                    seq.draft_spans.append(span)
+                elif span.kind == "normal":  # a verify row's valid prefix is set by its acceptance
+                    seq.num_computed = span.end
                 done.append((seq, span))
             if self.block_manager.enable_prefix_caching:
-                self._register_full_pages(seq)
+                self.register_full_pages(seq)
         return done
 
     def finish(self, seq: Sequence, status: SequenceStatus) -> None:

@@ -40,6 +40,8 @@ class Span:
     injected: torch.Tensor | None = None  # prelude output re-injected at every depth (Huginn)
     exit: ExitState | None = None  # per-token early-exit accumulators (adaptive depth)
     finished: bool = False  # every token has left the core; set by the runner
+    kind: str = "normal"  # "draft": a shallow speculative row; "verify": drafts resumed to full depth
+    stop_depth: int | None = None  # leave the core after this many loops (None: the request's)
 
     @property
     def num_tokens(self) -> int:
@@ -77,6 +79,8 @@ class Sequence:
     swapped: SwapState | None = None
     page_hashes: list[bytes] = field(default_factory=list)  # chain hashes of full pages (prefix cache)
     num_registered_pages: int = 0
+    drafts: list[int] = field(default_factory=list)  # speculative tokens not yet verified
+    draft_spans: list[Span] = field(default_factory=list)  # their shallow rows, stopped at the draft depth
     logprobs: list[PositionLogprobs] | None = None
     prompt_logprobs: list[PositionLogprobs | None] | None = None
     cumulative_logprob: float = 0.0
@@ -123,7 +127,7 @@ class Sequence:
         p = self.num_prompt_tokens
         if end <= p:
             return self.prompt_token_ids[start:end]
-        return (self.prompt_token_ids + self.output_token_ids)[start:end]
+        return (self.prompt_token_ids + self.output_token_ids + self.drafts)[start:end]
 
     def wants_prompt_logprobs(self) -> bool:
         """True while prompt positions still need their distributions recorded."""
@@ -135,8 +139,16 @@ class Sequence:
         if self.logprobs is not None and logprobs is not None:
             self.logprobs.append(logprobs)
 
+    def drop_speculation(self) -> None:
+        """Forget unverified drafts and their rows: decoding restarts from the committed tokens."""
+        self.drafts.clear()
+        self.draft_spans.clear()
+        if self.spans and self.spans[0].kind != "normal":
+            self.spans.clear()
+
     def reset_for_recompute(self) -> None:
         """Preemption by recomputation: forget KV and in-flight rows, keep tokens and RNG."""
+        self.drop_speculation()
         self.spans.clear()
         self.num_computed = 0
         self.num_registered_pages = 0
