@@ -6,6 +6,7 @@ import functools
 import random
 
 import pytest
+import torch
 
 from rlt_serve.config import ConfigError
 from rlt_serve.engine.llm_engine import LLMEngine
@@ -95,3 +96,81 @@ def test_speculation_rejections(ckpts):
     with pytest.raises(ConfigError, match="shared"):
         LLMEngine(path, device="cpu", skip_tokenizer_init=True, num_speculative_tokens=2, kv_layout="shared",
                   long_prefill_token_threshold=1, enable_wavefront_prefill=False)
+
+
+def _exact_joint(path: str, prompt: list[int], n: int = 3) -> dict[tuple[int, ...], float]:
+    """P(first n tokens) at temperature 1, from the reference, by enumerating prefixes."""
+    from rlt_serve.reference import ReferenceModel
+
+    ref = ReferenceModel.from_pretrained(path)
+    joint = {(): 1.0}
+    for _ in range(n):
+        nxt = {}
+        for prefix, pr in joint.items():
+            probs = torch.softmax(ref.forward(prompt + list(prefix)).logits[-1].double(), -1).tolist()
+            for t, q in enumerate(probs):
+                nxt[prefix + (t,)] = pr * q
+        joint = nxt
+    return joint
+
+
+def test_sampling_speculation_preserves_the_distribution(tmp_path):
+    """20,000 seeded samples of the first three tokens match the exact distribution (chi-square)."""
+    vocab = 6
+    path = write_random_checkpoint(str(tmp_path / "tiny"), "ouro", seed=3, vocab_size=vocab, hidden_size=32,
+                                   num_attention_heads=2, num_key_value_heads=2, intermediate_size=64)
+    prompt = [1, 4, 2]
+    exact = _exact_joint(path, prompt)
+    engine = LLMEngine(path, dtype="float32", device="cpu", skip_tokenizer_init=True, num_speculative_tokens=2,
+                       speculative_draft_depth=1, max_num_seqs=1000, max_num_batched_tokens=4096,
+                       enable_prefix_caching=True, num_kv_pages=4000, page_size=4)
+    counts: dict[tuple[int, ...], int] = {}
+    n = 20000
+    for batch in range(0, n, 1000):
+        for s in range(batch, batch + 1000):
+            engine.add_request(str(s), prompt, SamplingParams(temperature=1.0, seed=s, max_tokens=3, ignore_eos=True))
+        while engine.has_unfinished_requests():
+            for o in engine.step():
+                if o.finished:
+                    key = tuple(o.outputs[0].token_ids)
+                    counts[key] = counts.get(key, 0) + 1
+    st = engine.stats()
+    assert st.num_spec_accepted_tokens > 0 and st.num_spec_accepted_tokens < st.num_spec_draft_tokens
+    # Pool cells with small expectation, then Pearson's chi-square against the exact joint.
+    cells, small_obs, small_exp = [], 0, 0.0
+    for key, pr in exact.items():
+        e = pr * n
+        if e < 5:
+            small_obs, small_exp = small_obs + counts.get(key, 0), small_exp + e
+        else:
+            cells.append((counts.get(key, 0), e))
+    if small_exp > 0:
+        cells.append((small_obs, small_exp))
+    chi2 = sum((o - e) ** 2 / e for o, e in cells)
+    dof = len(cells) - 1
+    p_value = float(torch.special.gammaincc(torch.tensor(dof / 2, dtype=torch.float64),
+                                            torch.tensor(chi2 / 2, dtype=torch.float64)))
+    assert p_value > 0.01, (chi2, dof, p_value)
+    assert engine.num_free_pages == engine.num_pages
+
+
+def test_sampling_speculation_is_seed_deterministic(ckpts):
+    path = ckpts["ouro"]
+    rng = random.Random(9)
+    prompt = [rng.randrange(3, VOCAB) for _ in range(12)]
+    params = SamplingParams(temperature=0.8, top_p=0.9, seed=42, max_tokens=16, ignore_eos=True)
+    outs = []
+    for extra, pages in ((0, None), (6, None), (6, 12)):  # alone, in a batch, in a batch with preemption
+        e = LLMEngine(path, dtype="float32", device="cpu", skip_tokenizer_init=True, num_speculative_tokens=3,
+                      speculative_draft_depth=2, page_size=4, num_kv_pages=pages, swap_space_bytes=0)
+        e.add_request("t", prompt, params, priority=1)
+        for i in range(extra):
+            e.add_request(f"o{i}", [rng.randrange(3, VOCAB) for _ in range(20)],
+                          SamplingParams(temperature=1.0, max_tokens=8, ignore_eos=True), priority=0)
+        got = None
+        while e.has_unfinished_requests():
+            got = next((o for o in e.step() if o.finished and o.request_id == "t"), got)
+        outs.append((got.outputs[0].token_ids, e.stats().num_preemptions))
+        assert e.num_free_pages == e.num_pages
+    assert outs[0][0] == outs[1][0] == outs[2][0]
+    assert outs[2][1] > 0

@@ -237,8 +237,12 @@ class LLMEngine:
             st.exit_depth_counts[d] = st.exit_depth_counts.get(d, 0) + 1
         for seq, start, logits in result.prompt_logits:
             self._record_prompt_logprobs(seq, start, logits)
-        for seq, logits in result.draft_logits:  # greedy drafts from the shallow distribution
-            seq.drafts.append(int(logits[0].argmax()))
+        for seq, logits in result.draft_logits:  # drafts are drawn from the shallow distribution
+            if not seq.drafts:
+                seq.spec_rng_state = seq.generator.get_state()
+            q = self.sampler.probs(logits[0], seq, extra_outputs=len(seq.drafts))
+            seq.drafts.append(self.sampler.race(q, seq))
+            seq.draft_probs.append(q)
         for seq, logits in result.verify_logits:
             outputs.extend(self._accept_drafts(seq, logits))
         if result.sample_seqs:
@@ -254,26 +258,31 @@ class LLMEngine:
         return outputs
 
     def _accept_drafts(self, seq: Sequence, logits: torch.Tensor) -> list[RequestOutput]:
-        """Commit drafts while the full-depth choice agrees, then the correction; roll back the rest.
+        """Speculative rejection sampling over the verify row's full-depth distributions.
 
-        Each position is sampled exactly as non-speculative decoding would (same sampler, min_tokens
-        masks, stop rules), so greedy outputs are identical. Rejected positions are past
-        `num_computed`, so their KV in every plane is simply overwritten later."""
-        drafts, start = list(seq.drafts), seq.num_computed
+        Draft y (drawn from the shallow q) is kept with probability min(1, p(y)/q(y)); the first
+        rejected position draws from norm(max(0, p - q)), so every committed token is distributed
+        as plain sampling would draw it (greedy: kept while the argmax agrees). Rejected positions
+        lie past `num_computed`, so their KV in every plane is simply overwritten later."""
+        drafts, qs, start = list(seq.drafts), list(seq.draft_probs), seq.num_computed
         seq.drafts.clear()
-        st = self._stats
+        seq.draft_probs.clear()
+        st, sampler = self._stats, self.sampler
         st.num_spec_drafts += 1
         st.num_spec_draft_tokens += len(drafts)
         committed, status = 0, None
-        for i, draft in enumerate(drafts):
-            sample = self.sampler(logits[i : i + 1], [seq])[0]
-            status = self.output_processor.process_token(seq, sample)
+        for i, (draft, q) in enumerate(zip(drafts, qs)):
+            p = sampler.probs(logits[i], seq)
+            if sampler.accept(float(p[draft]), float(q[draft]), seq):
+                token = draft
+                st.num_spec_accepted_tokens += 1
+            else:
+                residual = (p - q).clamp_min(0.0)
+                token = sampler.race(residual if residual.sum() > 0 else p, seq)
+            status = self.output_processor.process_token(seq, sampler(logits[i : i + 1], [seq], tokens=[token])[0])
             committed = i + 1
             st.num_generation_tokens += 1
-            if sample.token != draft:
-                break
-            st.num_spec_accepted_tokens += 1
-            if status is not None:
+            if token != draft or status is not None:
                 break
         seq.num_computed = start + committed
         if self.block_manager.enable_prefix_caching:

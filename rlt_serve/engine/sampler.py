@@ -43,15 +43,13 @@ class Sampler:
     def __init__(self, stop_ids_for: "callable[[Sequence], set[int]]") -> None:
         self._stop_ids_for = stop_ids_for
 
-    def __call__(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[SampleResult]:
+    def __call__(
+        self, logits: torch.Tensor, seqs: list[Sequence], tokens: list[int] | None = None
+    ) -> list[SampleResult]:
+        """Sample one token per row, or, given `tokens`, only report their logprobs."""
         raw = torch.log_softmax(logits, dim=-1)
-        logits = logits.clone()
-        for i, seq in enumerate(seqs):
-            if len(seq.output_token_ids) < seq.params.min_tokens:
-                ids = [t for t in self._stop_ids_for(seq) if t < logits.shape[-1]]
-                if ids:
-                    logits[i, ids] = float("-inf")
-        tokens = [self._sample_row(logits[i], seq) for i, seq in enumerate(seqs)]
+        if tokens is None:
+            tokens = [self.race(self.probs(logits[i], seq), seq) for i, seq in enumerate(seqs)]
         chosen = raw.gather(1, torch.tensor(tokens, device=raw.device)[:, None]).squeeze(1).tolist()
         k = max((s.params.logprobs or 0) for s in seqs)
         need = any(s.params.logprobs is not None for s in seqs)
@@ -65,11 +63,17 @@ class Sampler:
             results.append(SampleResult(tokens[i], chosen[i], table))
         return results
 
-    @staticmethod
-    def _sample_row(row: torch.Tensor, seq: Sequence) -> int:
+    def probs(self, row: torch.Tensor, seq: Sequence, extra_outputs: int = 0) -> torch.Tensor:
+        """The distribution a token is drawn from: min_tokens masks, then temperature, top-k,
+        top-p, min-p; one-hot for greedy. `extra_outputs` counts unverified drafts before it."""
         p = seq.params
+        if len(seq.output_token_ids) + extra_outputs < p.min_tokens:
+            ids = [t for t in self._stop_ids_for(seq) if t < row.shape[-1]]
+            if ids:
+                row = row.clone()
+                row[ids] = float("-inf")
         if p.greedy:
-            return int(row.argmax())
+            return torch.nn.functional.one_hot(row.argmax(), row.shape[-1]).to(torch.float32)
         row = row / p.temperature
         if p.top_k > 0 and p.top_k < row.shape[-1]:
             kth = row.topk(p.top_k).values[-1]
@@ -82,5 +86,22 @@ class Sampler:
             probs = probs.scatter(0, order, sorted_p.masked_fill(drop, 0.0))
         if p.min_p > 0.0:
             probs = probs.masked_fill(probs < p.min_p * probs.max(), 0.0)
+        return probs
+
+    @staticmethod
+    def race(probs: torch.Tensor, seq: Sequence) -> int:
+        """A draw from `probs` (unnormalised is fine) with the request's own generator."""
+        if seq.params.greedy:
+            return int(probs.argmax())
         noise = torch.empty_like(probs).exponential_(generator=seq.generator)
         return int((probs / noise).argmax())
+
+    @staticmethod
+    def accept(p_y: float, q_y: float, seq: Sequence) -> bool:
+        """Speculative rejection test: keep draft y with probability min(1, p(y) / q(y))."""
+        if q_y <= 0.0:
+            return False
+        if p_y >= q_y:
+            return True
+        u = torch.rand((), generator=seq.generator, device=seq.generator.device)
+        return bool(u < p_y / q_y)

@@ -125,10 +125,10 @@ class Scheduler:
         return Span(start, start + k, depth=self.cfg.speculative_draft_depth, hidden=hidden, kind="verify")
 
     def _num_drafts(self, seq: Sequence) -> int:
-        """Draft tokens for `seq`'s next round: 0 turns speculation off for it (sampling, adaptive
-        depth, or fewer tokens left than drafts)."""
+        """Draft tokens for `seq`'s next round: 0 turns speculation off for it (adaptive depth, or
+        no tokens left)."""
         k = self.cfg.num_speculative_tokens
-        if k == 0 or not seq.params.greedy or seq.adaptive or seq.num_loops <= self.cfg.speculative_draft_depth:
+        if k == 0 or seq.adaptive or seq.num_loops <= self.cfg.speculative_draft_depth:
             return 0
         left = (seq.params.max_tokens or self.max_model_len) - len(seq.output_token_ids)
         return max(0, min(k, left, self.max_model_len - seq.num_tokens))

@@ -81,6 +81,8 @@ class Sequence:
     num_registered_pages: int = 0
     drafts: list[int] = field(default_factory=list)  # speculative tokens not yet verified
     draft_spans: list[Span] = field(default_factory=list)  # their shallow rows, stopped at the draft depth
+    draft_probs: list[torch.Tensor] = field(default_factory=list)  # the distribution each draft came from
+    spec_rng_state: torch.Tensor | None = None  # generator state before this round's first draft
     logprobs: list[PositionLogprobs] | None = None
     prompt_logprobs: list[PositionLogprobs | None] | None = None
     cumulative_logprob: float = 0.0
@@ -140,8 +142,12 @@ class Sequence:
             self.logprobs.append(logprobs)
 
     def drop_speculation(self) -> None:
-        """Forget unverified drafts and their rows: decoding restarts from the committed tokens."""
+        """Forget unverified drafts and their rows: decoding restarts from the committed tokens with
+        the RNG as it was before the round, so a preempted request samples what it would have."""
+        if self.drafts and self.spec_rng_state is not None:
+            self.generator.set_state(self.spec_rng_state)
         self.drafts.clear()
+        self.draft_probs.clear()
         self.draft_spans.clear()
         if self.spans and self.spans[0].kind != "normal":
             self.spans.clear()
