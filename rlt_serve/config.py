@@ -199,6 +199,7 @@ class EngineConfig:
     swap_space_bytes: int = 1 << 30  # host memory for snapshots of preempted requests
     num_speculative_tokens: int = 0  # self-speculation: drafts per round (0: off)
     speculative_draft_depth: int = 1  # loops a draft token runs before it is sampled
+    speculative_adaptive: bool = False  # choose K (<= num_speculative_tokens) and depth online
     attention_backend: str = "auto"
     max_logprobs: int = 20
     seed: int = 0

@@ -174,3 +174,43 @@ def test_sampling_speculation_is_seed_deterministic(ckpts):
         assert e.num_free_pages == e.num_pages
     assert outs[0][0] == outs[1][0] == outs[2][0]
     assert outs[2][1] > 0
+
+
+def _easy_ouro(path: str) -> str:
+    """An Ouro checkpoint whose loops barely change the state and whose head reads the token back,
+    so shallow drafts agree with the full depth."""
+    from safetensors.torch import load_file, save_file
+
+    w = load_file(f"{path}/model.safetensors")
+    for key in w:
+        if key.endswith(("input_layernorm_2.weight", "post_attention_layernorm_2.weight")):
+            w[key] = w[key] * 1e-4
+    w["lm_head.weight"] = w["model.embed_tokens.weight"] * 10
+    save_file(w, f"{path}/model.safetensors", metadata={"format": "pt"})
+    return path
+
+
+def _decode_calls(path: str, **kw) -> tuple[int, list[int], object]:
+    e = LLMEngine(path, dtype="float32", device="cpu", skip_tokenizer_init=True, **kw)
+    prompt = [random.Random(1).randrange(3, VOCAB) for _ in range(6)]
+    e.add_request("a", prompt, SamplingParams(temperature=0, max_tokens=64, ignore_eos=True))
+    out = None
+    while e.has_unfinished_requests():
+        out = next((o for o in e.step() if o.finished), out)
+    return e.stats().num_core_calls, out.outputs[0].token_ids, e.stats()
+
+
+def test_adaptive_speculation_switches_on_and_off(tmp_path):
+    hard = write_random_checkpoint(str(tmp_path / "hard"), "ouro", seed=17)
+    easy = _easy_ouro(write_random_checkpoint(str(tmp_path / "easy"), "ouro", seed=17))
+    spec = dict(num_speculative_tokens=8, speculative_adaptive=True)
+    for path, name in ((easy, "easy"), (hard, "hard")):
+        plain_calls, plain_toks, _ = _decode_calls(path)
+        calls, toks, st = _decode_calls(path, **spec)
+        assert toks == plain_toks
+        print(f"{name}: core calls plain={plain_calls} adaptive={calls} accepted "
+              f"{st.num_spec_accepted_tokens}/{st.num_spec_draft_tokens}")
+        if name == "easy":
+            assert calls < 0.7 * plain_calls
+        else:  # drafts rarely agree: speculation switches itself off after a few rounds
+            assert calls < 1.15 * plain_calls

@@ -21,6 +21,7 @@ from rlt_serve.engine.model_runner import ModelRunner
 from rlt_serve.engine.output_processor import OutputProcessor
 from rlt_serve.engine.sampler import Sampler, top_logprobs
 from rlt_serve.engine.scheduler import Scheduler
+from rlt_serve.engine.spec_controller import SpecController
 from rlt_serve.engine.swap import SwapSpace
 from rlt_serve.engine.sequence import Sequence, SequenceStatus
 from rlt_serve.loader import load_generation_config
@@ -108,6 +109,11 @@ class LLMEngine:
         # Pages are shared only between requests computed the same way.
         salt = f"{os.path.realpath(model)}|{self.dtype}|{cfg.kv_layout}|{self.runner.max_loops}".encode()
         self.scheduler = Scheduler(cfg, self.block_manager, self.swap_space, salt, self.max_model_len)
+        if cfg.num_speculative_tokens:
+            self.scheduler.spec = SpecController(
+                self.model_config.num_loops, cfg.num_speculative_tokens, cfg.speculative_draft_depth,
+                adaptive=cfg.speculative_adaptive,
+            )
         self.output_processor = OutputProcessor(self._eos_token_ids(), self.max_model_len, self.tokenizer)
         self.sampler = Sampler(self.output_processor.stop_ids)
         self._seqs: dict[str, Sequence] = {}
@@ -265,8 +271,11 @@ class LLMEngine:
         as plain sampling would draw it (greedy: kept while the argmax agrees). Rejected positions
         lie past `num_computed`, so their KV in every plane is simply overwritten later."""
         drafts, qs, start = list(seq.drafts), list(seq.draft_probs), seq.num_computed
+        depth = seq.spec_round[1]
         seq.drafts.clear()
         seq.draft_probs.clear()
+        seq.spec_round = None
+        accepted = 0
         st, sampler = self._stats, self.sampler
         st.num_spec_drafts += 1
         st.num_spec_draft_tokens += len(drafts)
@@ -275,7 +284,7 @@ class LLMEngine:
             p = sampler.probs(logits[i], seq)
             if sampler.accept(float(p[draft]), float(q[draft]), seq):
                 token = draft
-                st.num_spec_accepted_tokens += 1
+                accepted += 1
             else:
                 residual = (p - q).clamp_min(0.0)
                 token = sampler.race(residual if residual.sum() > 0 else p, seq)
@@ -284,6 +293,9 @@ class LLMEngine:
             st.num_generation_tokens += 1
             if token != draft or status is not None:
                 break
+        st.num_spec_accepted_tokens += accepted
+        # Positions after the first rejection were never tested; count only what was.
+        self.scheduler.spec.record(depth, committed, accepted)
         seq.num_computed = start + committed
         if self.block_manager.enable_prefix_caching:
             self.scheduler.register_full_pages(seq)

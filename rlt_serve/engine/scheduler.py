@@ -21,6 +21,7 @@ import torch
 from rlt_serve.config import EngineConfig
 from rlt_serve.engine.block_manager import BlockManager, chain_hash
 from rlt_serve.engine.sequence import Sequence, SequenceStatus, Span
+from rlt_serve.engine.spec_controller import SpecController
 from rlt_serve.engine.swap import SwapSpace
 
 Row = tuple[Sequence, Span]
@@ -64,6 +65,7 @@ class Scheduler:
         self.swap = swap
         self.salt = salt
         self.max_model_len = max_model_len
+        self.spec: SpecController | None = None  # set by the engine when self-speculation is on
         self.waiting: list[Sequence] = []  # sorted by order_key
         self.running: list[Sequence] = []
         self.num_swap_preemptions = 0
@@ -110,7 +112,7 @@ class Scheduler:
 
     def _next_decode_span(self, seq: Sequence, p: _Pass) -> Span | None:
         """A plain decode row, or with self-speculation the next shallow draft row or the verify row."""
-        k = self._num_drafts(seq)
+        k, depth = self._spec_round(seq)
         if k == 0:
             pos = seq.frontier
             return Span(pos, pos + 1) if self._make_room(seq, pos + 1, p, admitting=False) else None
@@ -118,20 +120,26 @@ class Scheduler:
             pos = seq.num_computed + len(seq.draft_spans)
             if not self._make_room(seq, pos + 1, p, admitting=False):
                 return None
-            return Span(pos, pos + 1, kind="draft", stop_depth=self.cfg.speculative_draft_depth)
+            return Span(pos, pos + 1, kind="draft", stop_depth=depth)
         hidden = torch.cat([span.hidden for span in seq.draft_spans])
         seq.draft_spans.clear()
         start = seq.num_computed
-        return Span(start, start + k, depth=self.cfg.speculative_draft_depth, hidden=hidden, kind="verify")
+        return Span(start, start + k, depth=depth, hidden=hidden, kind="verify")
 
-    def _num_drafts(self, seq: Sequence) -> int:
-        """Draft tokens for `seq`'s next round: 0 turns speculation off for it (adaptive depth, or
-        no tokens left)."""
-        k = self.cfg.num_speculative_tokens
-        if k == 0 or seq.adaptive or seq.num_loops <= self.cfg.speculative_draft_depth:
-            return 0
+    def _spec_round(self, seq: Sequence) -> tuple[int, int]:
+        """(K, draft depth) for `seq`: fixed for a round once its first draft starts; K = 0 turns
+        speculation off (no controller, adaptive depth, no tokens left, or not worth it)."""
+        if seq.spec_round is not None:
+            return seq.spec_round
+        if self.spec is None or seq.adaptive:
+            return 0, 0
+        k, depth = self.spec.choose()
         left = (seq.params.max_tokens or self.max_model_len) - len(seq.output_token_ids)
-        return max(0, min(k, left, self.max_model_len - seq.num_tokens))
+        k = max(0, min(k, left, self.max_model_len - seq.num_tokens))
+        if k == 0 or depth >= seq.num_loops:
+            return 0, 0
+        seq.spec_round = (k, depth)
+        return seq.spec_round
 
     def _schedule_prefill(self, p: _Pass, seqs: list[Sequence]) -> None:
         for seq in list(seqs):

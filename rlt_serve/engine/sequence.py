@@ -83,6 +83,7 @@ class Sequence:
     draft_spans: list[Span] = field(default_factory=list)  # their shallow rows, stopped at the draft depth
     draft_probs: list[torch.Tensor] = field(default_factory=list)  # the distribution each draft came from
     spec_rng_state: torch.Tensor | None = None  # generator state before this round's first draft
+    spec_round: tuple[int, int] | None = None  # (K, draft depth) of the round in flight
     logprobs: list[PositionLogprobs] | None = None
     prompt_logprobs: list[PositionLogprobs | None] | None = None
     cumulative_logprob: float = 0.0
@@ -149,6 +150,7 @@ class Sequence:
         self.drafts.clear()
         self.draft_probs.clear()
         self.draft_spans.clear()
+        self.spec_round = None
         if self.spans and self.spans[0].kind != "normal":
             self.spans.clear()
 
