@@ -197,6 +197,7 @@ class EngineConfig:
     enable_wavefront_prefill: bool = True  # WCPB: chunks of one prompt climb depths together
     enable_mixed_batching: bool = True  # decode rows and prompt rows share core calls
     swap_space_bytes: int = 1 << 30  # host memory for snapshots of preempted requests
+    delayed_exit: bool = False  # apply early-exit decisions one core call later (no gate readback wait)
     num_speculative_tokens: int = 0  # self-speculation: drafts per round (0: off)
     speculative_draft_depth: int = 1  # loops a draft token runs before it is sampled
     speculative_adaptive: bool = False  # choose K (<= num_speculative_tokens) and depth online

@@ -126,3 +126,18 @@ def test_adaptive_depth_rejections(ckpt, tmp_path):
         _engine(nb).add_request("a", [5], SamplingParams(exit_threshold=0.5))
     with pytest.raises(ValueError, match="min_loops"):
         _engine(ckpt).add_request("a", [5], SamplingParams(min_loops=2))
+
+
+def test_delayed_exit_has_the_synchronous_semantics(ckpt):
+    """Delayed exit computes one extra loop per early-exiting row but keeps tokens and exit depths."""
+    rng = random.Random(21)
+    reqs = [(f"r{i}", [rng.randrange(3, VOCAB) for _ in range(rng.randint(1, 16))],
+             SamplingParams(temperature=0, max_tokens=5, ignore_eos=True, exit_threshold=0.6), 0) for i in range(8)]
+    results = {}
+    for delayed in (False, True):
+        engine = _engine(ckpt, delayed_exit=delayed)
+        done, exits = _run(engine, reqs)
+        results[delayed] = ({k: v.outputs[0].token_ids for k, v in done.items()}, exits, engine.stats())
+    (tok_s, ex_s, st_s), (tok_d, ex_d, st_d) = results[False], results[True]
+    assert tok_s == tok_d and ex_s == ex_d
+    assert st_d.num_row_tokens > st_s.num_row_tokens  # the extra loop is computed

@@ -136,13 +136,30 @@ class ModelRunner:
                 if span.kind == "draft":  # its deeper loops come with the verify row
                     continue
                 fills.append((seq, span, torch.ones(span.num_tokens, dtype=torch.bool, device=dev)))
-        if adaptive:  # one host read for every adaptive row of the call
-            done = torch.stack([span.exit.exited.all() for span in adaptive]).tolist()
-            for span, d in zip(adaptive, done):
-                span.finished = d
+        if adaptive:
+            self._decide_exits(rows, adaptive)
         if self.engine_config.kv_layout == "last_exited":
             self._fill_deeper_slots(fills)
         return self._coda([(seq, span) for seq, span in rows if span.finished])
+
+    def _decide_exits(self, rows: list[Row], adaptive: list[Span]) -> None:
+        """Whether each adaptive row has left the core entirely.
+
+        Synchronous: one host read per call, of this call's gate decisions. Delayed: the read is of
+        the previous call's decisions, which finished long ago, so the host never waits on this
+        call's gate; a row whose tokens all exited at depth t therefore computes one extra loop,
+        whose K/V writes are masked and whose state is never read (the logits come from the
+        stored exit-depth state), so tokens and exit depths equal the synchronous policy's."""
+        seq_of = {id(span): seq for seq, span in rows}
+        if not self.engine_config.delayed_exit:
+            done = torch.stack([span.exit.exited.all() for span in adaptive]).tolist()
+            for span, d in zip(adaptive, done):
+                span.finished = d
+            return
+        for span in adaptive:
+            seq = seq_of[id(span)]
+            prev, span.pending_done = span.pending_done, span.exit.exited.all()
+            span.finished = span.depth + 1 >= seq.num_loops or (prev is not None and bool(prev))
 
     def _fill_deeper_slots(self, fills: list[tuple[Sequence, Span, torch.Tensor]]) -> None:
         """`last_exited`: a token leaving the core at depth e copies its slot e into e+1..D-1, so
