@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import time
+from typing import Any
 
 from rlt_serve.sampling_params import SamplingParams
 
@@ -46,6 +48,67 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_make_random_checkpoint(args: argparse.Namespace) -> int:
+    from rlt_serve.testing import SHAPES, write_random_checkpoint
+
+    family, overrides = SHAPES[args.shape]
+    t0 = time.perf_counter()
+    write_random_checkpoint(args.dir, family, seed=args.seed, dtype=args.dtype,
+                            max_shard_bytes=args.max_shard_bytes, **overrides)  # fmt: skip
+    print(f"{args.dir}: random {args.shape} ({family}, {args.dtype}) in {time.perf_counter() - t0:.1f}s")
+    return 0
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    from rlt_serve.bench import BenchConfig, bench
+
+    fields = {k: v for k, v in vars(args).items() if k in BenchConfig.__dataclass_fields__}
+    result = bench(BenchConfig(reference=not args.skip_reference, **fields))
+    print(result["table"])
+    if args.json:
+        with open(args.json, "w", encoding="utf-8") as f:
+            json.dump({k: v for k, v in result.items() if k != "table"}, f, indent=2)
+    return 0
+
+
+def _add_tools(sub: Any) -> None:
+    """make-random-checkpoint and bench: measure serving speed with nothing downloaded."""
+    from rlt_serve.bench import H200_BANDWIDTH, H200_BF16_FLOPS
+    from rlt_serve.config import ATTENTION_BACKENDS
+    from rlt_serve.testing import SHAPES
+
+    rnd = sub.add_parser("make-random-checkpoint", help="write a full-size random-weight checkpoint to DIR")
+    rnd.add_argument("dir")
+    rnd.add_argument("--shape", required=True, choices=sorted(SHAPES))
+    rnd.add_argument("--dtype", default="bfloat16")
+    rnd.add_argument("--seed", type=int, default=0)
+    rnd.add_argument("--max-shard-bytes", type=int, default=2 << 30, help="memory peaks at about one shard")
+    rnd.set_defaults(func=cmd_make_random_checkpoint)
+
+    b = sub.add_parser("bench", help="offline throughput/latency against the DESIGN §5 floors")
+    b.add_argument("--model", required=True, help="local checkpoint directory (see make-random-checkpoint)")
+    b.add_argument("--concurrency", type=int, default=1)
+    b.add_argument("--num-prompts", type=int, default=None, help="default: --concurrency")
+    b.add_argument("--input-len", type=int, default=512)
+    b.add_argument("--output-len", type=int, default=128)
+    b.add_argument("--runs", type=int, default=3, help="measured runs (the table shows the median)")
+    b.add_argument("--warmup", type=int, default=1, help="unmeasured runs first")
+    b.add_argument("--attention-backend", default="auto", choices=ATTENTION_BACKENDS)
+    b.add_argument("--dtype", default="auto")
+    b.add_argument("--device", default="auto")
+    b.add_argument("--max-num-batched-tokens", type=int, default=8192)
+    b.add_argument("--long-prefill-token-threshold", type=int, default=2048)
+    b.add_argument("--num-kv-pages", type=int, default=None)
+    b.add_argument("--num-loops", type=int, default=None)
+    b.add_argument("--skip-reference", action="store_true", help="skip the dense recompute reference at c=1")
+    b.add_argument("--reference-runs", type=int, default=1)
+    b.add_argument("--seed", type=int, default=0)
+    b.add_argument("--peak-flops", type=float, default=H200_BF16_FLOPS)
+    b.add_argument("--peak-bandwidth", type=float, default=H200_BANDWIDTH)
+    b.add_argument("--json", default=None, help="also write the measurements as JSON here")
+    b.set_defaults(func=cmd_bench)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="rlt-serve", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -67,6 +130,13 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--dtype", default="auto")
     gen.add_argument("--device", default="auto")
     gen.set_defaults(func=cmd_generate)
+    _add_tools(sub)
+
+    from router import launch
+
+    serve = sub.add_parser("launch", help="serve the OpenAI-compatible API: router plus worker processes")
+    launch.add_arguments(serve)
+    serve.set_defaults(func=launch.run)
     return parser
 
 

@@ -9,13 +9,28 @@ once, at construction, so an unsupported one never runs.
 from __future__ import annotations
 
 import json
+import math
 import os
+import re
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
-SUPPORTED_MODEL_TYPES = ("ouro", "nanbeige")
+SUPPORTED_MODEL_TYPES = ("ouro", "nanbeige", "huginn_raven")
+HUGINN = "huginn_raven"
+
+# Huginn's config can name block, norm and injection variants of the research code base; only the
+# released model's choices are implemented, so anything else is rejected instead of run wrong.
+_HUGINN_REQUIRED_CHOICES = {
+    "block_class_name": "SandwichBlock",
+    "norm_class_name": "RMSNorm_llama",
+    "mlp_class_name": "GatedMLP",
+    "nonlin_name": "SiLU",
+    "injection_type": "linear",
+    "state_init": "like-init",
+}
 
 # Nanbeige's config class can switch on features the released checkpoints do not use. We do not
 # implement them, so a checkpoint that enables one is rejected instead of run silently wrong.
@@ -90,12 +105,20 @@ class ModelConfig:
     eos_token_ids: list[int] = field(default_factory=list)
     pad_token_id: int | None = None
     checkpoint_dtype: str = "float32"
+    # Huginn: blocks before and after the looped core (`num_hidden_layers` is the core's count),
+    # the learned q/k bias, the embedding scale and the random initial state's std and scale.
+    num_prelude_layers: int = 0
+    num_coda_layers: int = 0
+    qk_bias: bool = False
+    embed_scale: float = 1.0
+    init_std: float = 0.0
+    init_scale: float = 1.0
     raw: dict[str, Any] = field(default_factory=dict, repr=False)
 
     @property
     def variable_depth(self) -> bool:
-        """Ouro may run any loop count per request; Nanbeige's semantics fix it."""
-        return self.model_type == "ouro"
+        """Ouro and Huginn may run any loop count per request; Nanbeige's semantics fix it."""
+        return self.model_type in ("ouro", HUGINN)
 
     @classmethod
     def from_dict(cls, d: dict[str, Any], source: str = "config.json") -> "ModelConfig":
@@ -110,6 +133,8 @@ class ModelConfig:
                 raise ConfigError(f"{source}: missing required field {key!r} for model_type {model_type!r}")
             return d[key]
 
+        if model_type == HUGINN:
+            return cls._huginn(d, source, need)
         act = d.get("hidden_act", "silu")
         if act != "silu":
             raise ConfigError(f"{source}: hidden_act {act!r} is not supported (only 'silu')")
@@ -161,6 +186,62 @@ class ModelConfig:
         return cls(**common, num_loops=loops, rms_norm_eps=float(d.get("rms_norm_eps", 1e-5)))
 
     @classmethod
+    def _huginn(cls, d: dict[str, Any], source: str, need: Callable[[str], Any]) -> "ModelConfig":
+        """RavenConfig's names (MODELS.md §3.1): n_embd, n_heads, n_layers_in_{prelude,recurrent_block,coda},
+        mean_recurrence (the default r), rope_base, block_size; `init_scale` (0 = zero state) comes
+        from hf_overrides, as the official forward takes it as an argument."""
+        for key, want in _HUGINN_REQUIRED_CHOICES.items():
+            if d.get(key, want) != want:
+                raise ConfigError(f"{source}: Huginn {key}={d[key]!r} is not supported (only {want!r})")
+        if d.get("bias"):
+            raise ConfigError(f"{source}: Huginn bias=true is not supported (the released model has none)")
+        if d.get("test_time_noise"):
+            raise ConfigError(f"{source}: Huginn test_time_noise={d['test_time_noise']!r} is not supported")
+        hidden, heads = int(need("n_embd")), int(need("n_heads"))
+        if hidden % heads:
+            raise ConfigError(f"{source}: n_embd={hidden} is not a multiple of n_heads={heads}")
+        head_dim = hidden // heads
+        if d.get("head_dim") not in (None, head_dim):
+            raise ConfigError(f"{source}: head_dim={d['head_dim']} disagrees with n_embd / n_heads = {head_dim}")
+        if int(d.get("num_key_value_heads") or heads) != heads:
+            raise ConfigError(f"{source}: Huginn is multi-head attention; num_key_value_heads must equal n_heads")
+        prelude, core, coda = (int(need(f"n_layers_in_{k}")) for k in ("prelude", "recurrent_block", "coda"))
+        if core < 1:
+            raise ConfigError(f"{source}: n_layers_in_recurrent_block must be >= 1")
+        if d.get("n_layers") not in (None, prelude + core + coda):
+            raise ConfigError(f"{source}: n_layers={d['n_layers']} is not prelude + recurrent + coda layers")
+        init_scale = float(d.get("init_scale", 1.0))
+        if init_scale < 0:
+            raise ConfigError(f"{source}: init_scale must be >= 0, got {init_scale}")
+        return cls(
+            model_type=HUGINN,
+            hidden_size=hidden,
+            num_hidden_layers=core,
+            num_attention_heads=heads,
+            num_key_value_heads=heads,
+            head_dim=head_dim,
+            intermediate_size=int(need("intermediate_size")),
+            vocab_size=int(d.get("padded_vocab_size") or need("vocab_size")),
+            num_loops=int(d.get("mean_recurrence", 32)),
+            rope_theta=float(d.get("rope_base", 50000.0)),
+            rms_norm_eps=float(d.get("norm_eps", 1e-6)),
+            max_position_embeddings=int(d.get("block_size", 4096)),
+            tie_word_embeddings=bool(d.get("tie_embeddings", True)),
+            bos_token_id=d.get("bos_token_id"),
+            eos_token_ids=_ids(d.get("eos_token_id")),
+            pad_token_id=d.get("pad_token_id"),
+            checkpoint_dtype=str(d.get("torch_dtype") or d.get("dtype") or "bfloat16"),
+            num_prelude_layers=prelude,
+            num_coda_layers=coda,
+            qk_bias=bool(d.get("qk_bias", True)),
+            embed_scale=math.sqrt(hidden),
+            # "like-init": the initial state has the std the weights were initialised with.
+            init_std=float((d.get("init_values") or {}).get("std", math.sqrt(2 / (5 * hidden)))),
+            init_scale=init_scale,
+            raw=dict(d),
+        )
+
+    @classmethod
     def from_pretrained(cls, model_dir: str, overrides: dict[str, Any] | None = None) -> "ModelConfig":
         path = os.path.join(model_dir, "config.json")
         if not os.path.isfile(path):
@@ -176,7 +257,17 @@ class ModelConfig:
 
 
 KV_LAYOUTS = ("separate", "last_exited", "shared")
-ATTENTION_BACKENDS = ("auto", "torch")
+# Huginn's own cache strategies (MODELS.md §3.3); compress-s{k} is a ring of k core block-call slots.
+HUGINN_CACHES = ("full", "latest-m4", "compress-s{k}")
+_COMPRESS_RE = re.compile(r"compress-s([1-9][0-9]*)")
+
+
+def compress_ring(huginn_cache: str | None) -> int | None:
+    """k of `compress-s{k}`, else None."""
+    m = _COMPRESS_RE.fullmatch(huginn_cache or "")
+    return int(m.group(1)) if m else None
+
+ATTENTION_BACKENDS = ("auto", "torch", "triton", "flash-attn")  # availability: attention.get_attention_backend
 
 
 @dataclass
@@ -193,6 +284,7 @@ class EngineConfig:
     max_model_len: int | None = None
     max_loops: int | None = None  # depth slots reserved per core layer; default: checkpoint loops
     kv_layout: str = "separate"
+    huginn_cache: str | None = None  # Huginn only: "full" (default), "latest-m4" or "compress-s{k}"
     enable_prefix_caching: bool = True
     enable_wavefront_prefill: bool = True  # WCPB: chunks of one prompt climb depths together
     enable_mixed_batching: bool = True  # decode rows and prompt rows share core calls
@@ -223,6 +315,8 @@ class EngineConfig:
                 )
             if self.enable_wavefront_prefill:
                 raise ConfigError("kv_layout='shared' cannot be combined with enable_wavefront_prefill=True")
+        if self.huginn_cache is not None:
+            self._validate_huginn_cache()
         if self.long_prefill_token_threshold > self.max_num_batched_tokens:
             raise ConfigError(
                 f"long_prefill_token_threshold={self.long_prefill_token_threshold} exceeds "
@@ -241,3 +335,54 @@ class EngineConfig:
                 raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.num_kv_pages is not None and self.num_kv_pages < 1:
             raise ConfigError(f"num_kv_pages must be >= 1, got {self.num_kv_pages}")
+
+    def _validate_huginn_cache(self) -> None:
+        name = self.huginn_cache
+        if name not in ("full", "latest-m4") and compress_ring(name) is None:
+            raise ConfigError(f"huginn_cache={name!r} is not supported; choose from {HUGINN_CACHES}")
+        if self.kv_layout != "separate":
+            raise ConfigError(
+                f"huginn_cache={name!r} replaces kv_layout for Huginn; leave kv_layout='separate' "
+                f"(got {self.kv_layout!r})"
+            )
+        if compress_ring(name) is not None:
+            # Like kv_layout='shared': a ring slot is overwritten by later steps, so which step of an
+            # earlier token a query reads is only well defined token by token.
+            if self.long_prefill_token_threshold != 1:
+                raise ConfigError(
+                    f"huginn_cache={name!r} needs long_prefill_token_threshold=1 (token-by-token semantics); "
+                    f"got {self.long_prefill_token_threshold}"
+                )
+            if self.enable_wavefront_prefill:
+                raise ConfigError(f"huginn_cache={name!r} cannot be combined with enable_wavefront_prefill=True")
+
+
+def check_model_engine(model: ModelConfig, engine: EngineConfig) -> None:
+    """Combinations that depend on the checkpoint: Huginn's cache strategies apply to Huginn only,
+    and a compress ring must hold whole recurrence steps (k a multiple of the core's layers)."""
+    if model.model_type != HUGINN:
+        if engine.huginn_cache is not None:
+            raise ConfigError(f"huginn_cache is a Huginn option; {model.model_type} uses kv_layout")
+        return
+    if engine.kv_layout != "separate":
+        raise ConfigError(
+            f"kv_layout={engine.kv_layout!r}: Huginn's KV strategies are chosen with huginn_cache "
+            f"(one of {HUGINN_CACHES})"
+        )
+    k, r = compress_ring(engine.huginn_cache), model.num_hidden_layers
+    if k is not None and k % r:
+        # Official compress-s{k} hashes block call 4s+j to slot (4s+j) % k; unless k is a multiple
+        # of the core's r layers that mixes different layers' K/V in one slot.
+        raise ConfigError(
+            f"huginn_cache={engine.huginn_cache!r}: k must be a multiple of the {r} recurrent layers "
+            "(otherwise one ring slot would hold K/V of different layers)"
+        )
+
+
+def core_ring_slots(model: ModelConfig, engine: EngineConfig) -> int | None:
+    """Depth slots per core layer when they form a ring (a core row at depth d uses slot d % ring);
+    None when every depth has its own slot."""
+    if engine.kv_layout == "shared":
+        return 1
+    k = compress_ring(engine.huginn_cache)
+    return None if k is None else k // model.num_hidden_layers

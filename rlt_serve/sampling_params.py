@@ -6,6 +6,8 @@ from dataclasses import dataclass, field, fields
 from typing import Any
 
 _GREEDY_EPS = 1e-5
+# Huginn's exit criteria, named as the official `generate(criterion=...)` names them.
+EXIT_CRITERIA = ("kl", "minp-kl", "entropy-diff", "latent-diff", "cosine", "argmax-stability")
 
 
 @dataclass
@@ -28,9 +30,14 @@ class SamplingParams:
     detokenize: bool = True
     # Depth control. num_loops: the depth (None: the checkpoint's); with exit_threshold q < 1 it
     # is the most loops a token may run, min_loops the fewest (Ouro's learned-gate Q-exit).
+    # Huginn: exit_criterion names a training-free rule (EXIT_CRITERIA) checked every
+    # exit_check_interval steps from step min_loops on; exit_threshold is its threshold (None: the
+    # official "auto" value), a count of steps for argmax-stability.
     num_loops: int | None = None
     min_loops: int | None = None
     exit_threshold: float | None = None
+    exit_criterion: str | None = None
+    exit_check_interval: int = 1
     extra_args: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -74,8 +81,20 @@ class SamplingParams:
             bad("min_loops", "must be >= 1")
         if self.min_loops is not None and self.num_loops is not None and self.min_loops > self.num_loops:
             bad("min_loops", f"must be <= num_loops ({self.num_loops})")
-        if self.exit_threshold is not None and not 0.0 < self.exit_threshold <= 1.0:
+        if self.exit_criterion is not None:
+            if self.exit_criterion not in EXIT_CRITERIA:
+                bad("exit_criterion", f"must be one of {', '.join(EXIT_CRITERIA)}")
+            if self.exit_threshold is not None and not self.exit_threshold > 0.0:
+                bad("exit_threshold", f"must be > 0 for exit_criterion={self.exit_criterion!r}")
+            thr = self.exit_threshold
+            if self.exit_criterion == "argmax-stability" and thr is not None and thr != int(thr):
+                bad("exit_threshold", "must be a whole number of steps for argmax-stability")
+        elif self.exit_threshold is not None and not 0.0 < self.exit_threshold <= 1.0:
             bad("exit_threshold", "must be in (0, 1]")
+        if self.exit_check_interval < 1:
+            bad("exit_check_interval", "must be >= 1")
+        if self.exit_check_interval != 1 and self.exit_criterion is None:
+            bad("exit_check_interval", "only applies with an exit_criterion")
 
     @property
     def greedy(self) -> bool:

@@ -10,13 +10,16 @@ the golden `nanbeige_s` weights exactly (Ouro differs only by the golden gate-bi
 from __future__ import annotations
 
 import json
+import math
 import os
+from collections.abc import Iterator
 from typing import Any
 
 import torch
+from safetensors.torch import save_file
 
 from rlt_serve.config import ConfigError, parse_dtype
-from rlt_serve.loader import GENERATION_CONFIG_FILE, save_checkpoint
+from rlt_serve.loader import GENERATION_CONFIG_FILE, INDEX_FILE, SINGLE_FILE, save_checkpoint
 
 _COMMON: dict[str, Any] = {
     "attention_dropout": 0.0,
@@ -83,9 +86,96 @@ _NANBEIGE: dict[str, Any] = {
 }
 
 
+# RavenConfig as the golden `huginn_s` config.json writes it (MODELS.md §3.1, tiny shape).
+_HUGINN: dict[str, Any] = {
+    "architectures": ["RavenForCausalLM"],
+    "auto_map": {
+        "AutoConfig": "raven_config_minimal.RavenConfig",
+        "AutoModelForCausalLM": "raven_modeling_minimal.RavenForCausalLM",
+    },
+    "model_type": "huginn_raven",
+    "bias": False,
+    "block_class_name": "SandwichBlock",
+    "block_size": 256,
+    "bos_token_id": 352,
+    "eos_token_id": 353,
+    "pad_token_id": 357,
+    "injection_type": "linear",
+    "intermediate_size": 128,
+    "mean_recurrence": 4,
+    "mlp_class_name": "GatedMLP",
+    "n_embd": 64,
+    "n_heads": 4,
+    "n_layers_in_coda": 2,
+    "n_layers_in_prelude": 2,
+    "n_layers_in_recurrent_block": 2,
+    "nonlin_name": "SiLU",
+    "norm_class_name": "RMSNorm_llama",
+    "norm_eps": 1e-6,
+    "qk_bias": True,
+    "rope_base": 50000,
+    "state_init": "like-init",
+    "test_time_noise": 0,
+    "tie_embeddings": True,
+    "vocab_size": 384,
+}
+
+
+def _huginn_config(overrides: dict[str, Any]) -> dict[str, Any]:
+    """Fields the official config class derives from the others, as it writes them."""
+    cfg = {**_HUGINN, **overrides}
+    e = cfg["n_embd"]
+    layers = cfg["n_layers_in_prelude"] + cfg["n_layers_in_recurrent_block"] + cfg["n_layers_in_coda"]
+    cfg.update(n_layers=layers, head_dim=e // cfg["n_heads"], num_key_value_heads=cfg["n_heads"],
+               padded_vocab_size=cfg["vocab_size"], init_values={"std": math.sqrt(2 / (5 * e)), "embed_scale": math.sqrt(e)})
+    return cfg
+
+
+def _huginn_specs(cfg: dict[str, Any]) -> list[tuple[str, tuple[int, ...], str]]:
+    """RavenForCausalLM.state_dict() keys in named_parameters() order, then the stored tied copy
+    and the `freqs_cis` buffer (not drawn from the RNG)."""
+    e, i, v, heads = cfg["n_embd"], cfg["intermediate_size"], cfg["vocab_size"], cfg["n_heads"]
+    d = e // heads
+
+    def block(p: str) -> list[tuple[str, tuple[int, ...], str]]:
+        # A module's own parameters come before its children's: qk_bias before Wqkv.
+        return [(p + "norm_1.weight", (e,), "norm"), (p + "attn.qk_bias", (2, 1, heads, d), "matrix"),
+                (p + "attn.Wqkv.weight", (3 * e, e), "matrix"), (p + "attn.proj.weight", (e, e), "matrix"),
+                (p + "norm_2.weight", (e,), "norm"), (p + "mlp.fc.weight", (2 * i, e), "matrix"),
+                (p + "mlp.proj.weight", (e, i), "matrix"), (p + "norm_3.weight", (e,), "norm"),
+                (p + "norm_4.weight", (e,), "norm")]  # fmt: skip
+
+    specs = [("transformer.wte.weight", (v, e), "matrix")]
+    for j in range(cfg["n_layers_in_prelude"]):
+        specs += block(f"transformer.prelude.{j}.")
+    specs.append(("transformer.adapter.weight", (e, 2 * e), "matrix"))
+    for j in range(cfg["n_layers_in_recurrent_block"]):
+        specs += block(f"transformer.core_block.{j}.")
+    for j in range(cfg["n_layers_in_coda"]):
+        specs += block(f"transformer.coda.{j}.")
+    specs.append(("transformer.ln_f.weight", (e,), "norm"))
+    specs.append(("lm_head.weight", (v, e), "tied_copy" if cfg["tie_embeddings"] else "matrix"))
+    return specs + [("freqs_cis", (1, cfg["block_size"], 1, d // 2, 2), "rope_table")]
+
+
+def _derived(kind: str, shape: tuple[int, ...], cfg: dict[str, Any], first: torch.Tensor) -> torch.Tensor:
+    """Tensors a checkpoint stores that are not random draws: the tied copy of the embedding
+    (`first`), and Huginn's fp32 (cos, sin) RoPE table."""
+    if kind == "tied_copy":
+        return first.clone()
+    half = shape[3]
+    inv = 1.0 / cfg["rope_base"] ** (torch.arange(0, 2 * half, 2, dtype=torch.float32) / (2 * half))
+    angles = torch.outer(torch.arange(shape[1], dtype=torch.float32), inv)
+    return torch.stack([angles.cos(), angles.sin()], dim=-1)[None, :, None]
+
+
 def _config(family: str, dtype: str, overrides: dict[str, Any]) -> dict[str, Any]:
-    if family not in ("ouro", "nanbeige"):
-        raise ConfigError(f"unknown family {family!r}; use 'ouro' or 'nanbeige'")
+    if family not in ("ouro", "nanbeige", "huginn"):
+        raise ConfigError(f"unknown family {family!r}; use 'ouro', 'nanbeige' or 'huginn'")
+    if family == "huginn":
+        cfg = _huginn_config(overrides)
+        cfg["torch_dtype"] = cfg["dtype"] = dtype
+        return dict(sorted(cfg.items()))
     cfg = {**_COMMON, **(_OURO if family == "ouro" else _NANBEIGE), **overrides}
     if family == "ouro" and "num_key_value_heads" not in overrides:
         cfg["num_key_value_heads"] = cfg["num_attention_heads"]  # Ouro is MHA unless told otherwise
@@ -95,6 +185,8 @@ def _config(family: str, dtype: str, overrides: dict[str, Any]) -> dict[str, Any
 
 def _param_specs(cfg: dict[str, Any]) -> list[tuple[str, tuple[int, ...], str]]:
     """(key, shape, init kind) in the official models' named_parameters() order."""
+    if cfg["model_type"] == "huginn_raven":
+        return _huginn_specs(cfg)
     ouro = cfg["model_type"] == "ouro"
     h, i, v = cfg["hidden_size"], cfg["intermediate_size"], cfg["vocab_size"]
     heads, kv = cfg["num_attention_heads"], cfg["num_key_value_heads"]
@@ -129,15 +221,88 @@ def _param_specs(cfg: dict[str, Any]) -> list[tuple[str, tuple[int, ...], str]]:
 _STD = {"matrix": 0.02, "gate_weight": 0.25, "gate_bias": 1.0}
 
 
-def random_weights(cfg: dict[str, Any], seed: int = 0) -> dict[str, torch.Tensor]:
-    """fp32 weights for a config dict, deterministic per seed (a private generator, so the
-    global torch RNG of the calling test is left alone)."""
+def iter_random_weights(
+    cfg: dict[str, Any], seed: int = 0, dtype: torch.dtype = torch.float32
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """(key, weight) one tensor at a time, so a full-size checkpoint never sits in memory whole.
+    Deterministic per seed (a private generator leaves the caller's global RNG alone)."""
     gen = torch.Generator().manual_seed(seed)
-    out: dict[str, torch.Tensor] = {}
+    first: torch.Tensor | None = None
     for key, shape, kind in _param_specs(cfg):
+        if kind in ("tied_copy", "rope_table"):
+            t = _derived(kind, shape, cfg, first)
+            yield key, t if kind == "rope_table" else t.to(dtype)
+            continue
         noise = torch.randn(shape, generator=gen)
-        out[key] = 1.0 + 0.1 * noise if kind == "norm" else noise * _STD[kind]
-    return out
+        w = noise.mul_(0.1).add_(1.0) if kind == "norm" else noise.mul_(_STD[kind])
+        first = w if first is None else first
+        yield key, w.to(dtype)
+
+
+def random_weights(cfg: dict[str, Any], seed: int = 0) -> dict[str, torch.Tensor]:
+    """fp32 weights for a config dict, deterministic per seed."""
+    return dict(iter_random_weights(cfg, seed))
+
+
+# Full-size shapes (config.json overrides) of the released checkpoints, from MODELS.md §1.2, §2.2
+# and §3.1: random weights in these shapes measure serving speed without downloading anything.
+SHAPES: dict[str, tuple[str, dict[str, Any]]] = {
+    "tiny": ("ouro", {}),
+    "ouro-1.4b": ("ouro", {
+        "hidden_size": 2048, "num_hidden_layers": 24, "num_attention_heads": 16, "num_key_value_heads": 16,
+        "head_dim": 128, "intermediate_size": 5632, "vocab_size": 49152, "max_position_embeddings": 65536,
+        "total_ut_steps": 4,
+    }),
+    "ouro-2.6b": ("ouro", {
+        "hidden_size": 2048, "num_hidden_layers": 48, "num_attention_heads": 16, "num_key_value_heads": 16,
+        "head_dim": 128, "intermediate_size": 5632, "vocab_size": 49152, "max_position_embeddings": 65536,
+        "total_ut_steps": 4,
+    }),
+    "nanbeige4.2-3b": ("nanbeige", {
+        "hidden_size": 3072, "num_hidden_layers": 22, "num_attention_heads": 48, "num_key_value_heads": 8,
+        "head_dim": 128, "intermediate_size": 10752, "vocab_size": 166144, "max_position_embeddings": 262144,
+        "num_loops": 2, "bos_token_id": 166100, "eos_token_id": 166101, "pad_token_id": 0,
+    }),
+    "huginn-0125": ("huginn", {  # MODELS.md §3.1: 3.56B parameters, 32 recurrence steps by default
+        "n_embd": 5280, "n_heads": 55, "n_layers_in_prelude": 2, "n_layers_in_recurrent_block": 4,
+        "n_layers_in_coda": 2, "intermediate_size": 17920, "vocab_size": 65536, "block_size": 4096,
+        "mean_recurrence": 32, "rope_base": 50000,
+    }),
+}  # fmt: skip
+
+
+def _write_streamed(model_dir: str, cfg: dict[str, Any], seed: int, dtype: torch.dtype, max_shard_bytes: int) -> None:
+    """Shard layout and index exactly as `save_checkpoint` writes them, but each shard is
+    generated, written and freed in turn: memory peaks at about one shard."""
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    plan: list[list[str]] = [[]]
+    size = total = 0
+    for key, shape, _ in _param_specs(cfg):
+        nbytes = math.prod(shape) * itemsize
+        if plan[-1] and size + nbytes > max_shard_bytes:
+            plan.append([])
+            size = 0
+        plan[-1].append(key)
+        size += nbytes
+        total += nbytes
+    weights = iter_random_weights(cfg, seed, dtype)
+    if len(plan) == 1:
+        save_checkpoint(model_dir, dict(weights))
+        return
+    for name in os.listdir(model_dir):  # never leave two disagreeing checkpoints behind
+        if name in (SINGLE_FILE, INDEX_FILE) or (name.startswith("model-") and name.endswith(".safetensors")):
+            os.remove(os.path.join(model_dir, name))
+    weight_map: dict[str, str] = {}
+    for i, keys in enumerate(plan, start=1):
+        name = f"model-{i:05d}-of-{len(plan):05d}.safetensors"
+        shard = dict(next(weights) for _ in keys)
+        save_file(shard, os.path.join(model_dir, name), metadata={"format": "pt"})
+        weight_map.update({key: name for key in keys})
+        del shard
+    index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
+    with open(os.path.join(model_dir, INDEX_FILE), "w", encoding="utf-8") as f:
+        json.dump(index, f, indent=2)
+        f.write("\n")
 
 
 def write_random_checkpoint(
@@ -157,12 +322,14 @@ def write_random_checkpoint(
     torch_dtype = parse_dtype(dtype)
     name = str(torch_dtype).replace("torch.", "")
     cfg = _config(family, name, config_overrides)
-    weights = {k: t.to(torch_dtype) for k, t in random_weights(cfg, seed).items()}
     os.makedirs(model_dir, exist_ok=True)
     with open(os.path.join(model_dir, "config.json"), "w", encoding="utf-8") as f:
         json.dump(cfg, f, indent=2)
         f.write("\n")
-    save_checkpoint(model_dir, weights, max_shard_bytes=max_shard_bytes)
+    if max_shard_bytes is None:
+        save_checkpoint(model_dir, dict(iter_random_weights(cfg, seed, torch_dtype)))
+    else:
+        _write_streamed(model_dir, cfg, seed, torch_dtype, max_shard_bytes)
     gen_path = os.path.join(model_dir, GENERATION_CONFIG_FILE)
     if generation_config is not None:
         with open(gen_path, "w", encoding="utf-8") as f:

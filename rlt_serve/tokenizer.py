@@ -26,6 +26,8 @@ from jinja2 import nodes
 from jinja2.ext import Extension, loopcontrols
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
+from rlt_serve.tokenizer_rules import tokenizer_rules
+
 # tokenizer_config.json fields that name one special token each (a string or an AddedToken dict).
 _NAMED_SPECIAL_TOKENS = ("bos_token", "eos_token", "pad_token", "unk_token")
 # transformers writes this for "no limit" (int(1e30)).
@@ -112,6 +114,7 @@ class Tokenizer:
         config: Mapping[str, Any] | None = None,
         chat_templates: Mapping[str, str] | None = None,
         source: str = "tokenizer_config.json",
+        drop_trailing_eos: bool = False,
     ) -> None:
         config = dict(config or {})
         self._backend = backend
@@ -142,6 +145,8 @@ class Tokenizer:
         lead, trail = self._post_processor_adds()
         self._add_bos = bool(config.get("add_bos_token")) and self._bos_id is not None and not lead
         self._add_eos = bool(config.get("add_eos_token")) and self._eos_id is not None and not trail
+        # A family rule (tokenizer_rules): leave off the EOS the tokenizer itself appends (Huginn).
+        self._drop_trailing_eos = drop_trailing_eos and (trail or self._add_eos)
 
         self._chat_templates = dict(
             chat_templates if chat_templates is not None else _config_chat_templates(config, source)
@@ -163,7 +168,11 @@ class Tokenizer:
             raise TokenizerError(f"{path}: not a valid tokenizer file ({e})") from e
         config_path = os.path.join(model_dir, "tokenizer_config.json")
         config = _read_json(config_path) if os.path.isfile(config_path) else {}
-        return cls(backend, config, load_chat_templates(model_dir, config), source=config_path)
+        rules = tokenizer_rules(model_dir)
+        templates = load_chat_templates(model_dir, config)
+        if rules.chat_template is not None:
+            templates.setdefault("default", rules.chat_template)
+        return cls(backend, config, templates, source=config_path, drop_trailing_eos=rules.drop_trailing_eos)
 
     def _sync_added_tokens(self, decoder: Mapping[str, Any], source: str) -> set[int]:
         """Make tokenizer.json agree with tokenizer_config.json's `added_tokens_decoder`.
@@ -279,6 +288,8 @@ class Tokenizer:
                 ids.insert(0, self._bos_id)
             if self._add_eos and (not ids or ids[-1] != self._eos_id):
                 ids.append(self._eos_id)
+            if self._drop_trailing_eos and ids and ids[-1] == self._eos_id:
+                ids.pop()
         return ids
 
     def decode(self, ids: Iterable[int], skip_special_tokens: bool = True) -> str:

@@ -57,6 +57,9 @@ class Delta(msgspec.Struct, tag="delta"):
     stop_reason: int | str | None = None
     error: str | None = None
     num_prompt_tokens: int = 0
+    # On the first delta of a request that asked for prompt_logprobs: one entry per prompt
+    # position (None for the first, which has no distribution), chosen token first.
+    prompt_logprobs: list[list[TokenLogprob] | None] | None = None
 
 
 class Capacity(msgspec.Struct, tag="capacity"):
@@ -84,12 +87,41 @@ class Metrics(msgspec.Struct, tag="metrics"):
     text: str
 
 
+class Loading(msgspec.Struct, tag="loading"):
+    """Start-up progress, written on the worker's stdout only (see `status_line`)."""
+
+    worker_id: str
+    stage: str  # starting | loading | failed (success is the Ready message)
+    elapsed: float
+    detail: str = ""
+
+
 ToWorker = Union[Submit, Abort, Shutdown]
 ToRouter = Union[Ready, Delta, Capacity, Health, Metrics]
 
 _encoder = msgspec.msgpack.Encoder()
 _to_worker = msgspec.msgpack.Decoder(ToWorker)
 _to_router = msgspec.msgpack.Decoder(ToRouter)
+
+
+# Before the router can hear a worker (and while the launcher waits for all of them), a worker
+# reports start-up on stdout as single lines: this prefix, then a JSON Loading or Ready message.
+STATUS_PREFIX = "@rlt-worker "
+_status_decoder = msgspec.json.Decoder(Union[Loading, Ready])
+
+
+def status_line(msg: Loading | Ready) -> str:
+    return STATUS_PREFIX + msgspec.json.encode(msg).decode()
+
+
+def parse_status_line(line: str) -> Loading | Ready | None:
+    """The message on a status line, or None for any other output."""
+    if not line.startswith(STATUS_PREFIX):
+        return None
+    try:
+        return _status_decoder.decode(line[len(STATUS_PREFIX) :].strip())
+    except msgspec.DecodeError:
+        return None
 
 
 def encode(msg: ToWorker | ToRouter) -> bytes:

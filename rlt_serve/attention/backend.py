@@ -9,6 +9,7 @@ share one call: only the plane index differs.
 
 from __future__ import annotations
 
+import os
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import Any
@@ -49,6 +50,7 @@ class AttentionMetadata:
 
 class AttentionBackend(ABC):
     name: str = "abstract"
+    reason: str = ""  # why get_attention_backend chose it (reported by the bench and recipes)
 
     def prepare(self, rows: list[RowSpec], kv: KVCache, write_mask: torch.Tensor | None = None) -> AttentionMetadata:
         """Build the tensors every layer of one core call reuses."""
@@ -91,9 +93,61 @@ class AttentionBackend(ABC):
         ...
 
 
-def get_attention_backend(name: str, device: torch.device) -> AttentionBackend:
+def _missing(name: str, device: torch.device, dtype: torch.dtype | None) -> str | None:
+    """None when backend `name` can run for this device and dtype, else what is missing."""
+    if name == "torch":
+        return None
+    if name == "triton":
+        from rlt_serve.attention import triton_backend
+
+        missing = triton_backend.available()
+        if missing is None and device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+            missing = "the Triton backend needs a CUDA device (or TRITON_INTERPRET=1 to interpret it on the CPU)"
+        return missing
+    if name == "flash-attn":
+        from rlt_serve.attention import flash_backend
+
+        return flash_backend.available(device, dtype)
+    return f"unknown attention backend {name!r}; choose from auto, torch, triton, flash-attn"
+
+
+def get_attention_backend(
+    name: str, device: torch.device, dtype: torch.dtype | None = None, page_size: int = 16
+) -> AttentionBackend:
+    """The backend `name`, or for `auto` the fastest one that is correct here.
+
+    `auto`: the torch backend on the CPU. On CUDA the Triton backend when triton imports (it
+    reads the paged planes in place at any page size and dtype, float32 included), else
+    flash-attn when it can run (fp16/bf16; the package, or torch's own FlashAttention), else
+    torch. The chosen backend's `reason` says why. Asking for a backend that cannot run is a
+    ConfigError naming what is missing.
+    """
     from rlt_serve.attention.torch_backend import TorchAttentionBackend
 
-    if name in ("auto", "torch"):
-        return TorchAttentionBackend()
-    raise ConfigError(f"attention backend {name!r} is not available; choose from auto, torch")
+    if name == "auto":
+        if device.type != "cuda":
+            choice, reason = "torch", "auto: CPU device"
+        elif _missing("triton", device, dtype) is None:
+            choice, reason = "triton", "auto: CUDA and triton imports (paged planes read in place)"
+        elif _missing("flash-attn", device, dtype) is None:
+            choice, reason = "flash-attn", f"auto: triton missing ({_missing('triton', device, dtype)})"
+        else:
+            choice, reason = "torch", "auto: neither triton nor FlashAttention can run here"
+    else:
+        missing = _missing(name, device, dtype)
+        if missing is not None:
+            raise ConfigError(f"attention_backend={name!r} cannot run: {missing}")
+        choice, reason = name, "asked for"
+    backend: AttentionBackend
+    if choice == "triton":
+        from rlt_serve.attention.triton_backend import TritonAttentionBackend
+
+        backend = TritonAttentionBackend()
+    elif choice == "flash-attn":
+        from rlt_serve.attention.flash_backend import FlashAttentionBackend
+
+        backend = FlashAttentionBackend(page_size)
+    else:
+        backend = TorchAttentionBackend()
+    backend.reason = reason
+    return backend

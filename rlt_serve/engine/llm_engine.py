@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from rlt_serve.config import ConfigError, EngineConfig, ModelConfig, parse_dtype
+from rlt_serve.config import HUGINN, ConfigError, EngineConfig, ModelConfig, check_model_engine, parse_dtype
 from dataclasses import dataclass, field
 
 from rlt_serve.engine.block_manager import BlockManager
@@ -86,6 +86,7 @@ class LLMEngine:
         self.model_config = ModelConfig.from_pretrained(model, hf_overrides)
         cfg = EngineConfig(**engine_args)
         cfg.validate()
+        check_model_engine(self.model_config, cfg)
         self.engine_config = cfg
         self.device = resolve_device(device)
         self.dtype = parse_dtype(dtype, default=self.model_config.checkpoint_dtype)
@@ -107,7 +108,8 @@ class LLMEngine:
         self.block_manager = BlockManager(num_pages, cfg.page_size, cfg.enable_prefix_caching)
         self.swap_space = SwapSpace(self.runner.kv, cfg.swap_space_bytes) if cfg.swap_space_bytes else None
         # Pages are shared only between requests computed the same way.
-        salt = f"{os.path.realpath(model)}|{self.dtype}|{cfg.kv_layout}|{self.runner.max_loops}".encode()
+        salt = f"{os.path.realpath(model)}|{self.dtype}|{cfg.kv_layout}|{cfg.huginn_cache}|{self.runner.max_loops}"
+        salt = salt.encode()
         self.scheduler = Scheduler(cfg, self.block_manager, self.swap_space, salt, self.max_model_len)
         if cfg.num_speculative_tokens:
             self.scheduler.spec = SpecController(
@@ -169,6 +171,7 @@ class LLMEngine:
             from rlt_serve.tokenizer import IncrementalDetokenizer
 
             seq.detokenizer = IncrementalDetokenizer(self.tokenizer, skip_special_tokens=params.skip_special_tokens)
+        self.runner.model.prepare_sequence(seq)
         self._seqs[request_id] = seq
         self.scheduler.add(seq)
 
@@ -190,7 +193,11 @@ class LLMEngine:
                 raise ValueError(
                     f"num_loops: {p.num_loops} exceeds the engine's max_loops={self.runner.max_loops} depth slots"
                 )
-        if p.exit_threshold is not None and p.exit_threshold < 1.0:
+        if p.exit_criterion is not None:
+            self._validate_criterion(p)
+        elif p.exit_threshold is not None and p.exit_threshold < 1.0:
+            if mc.model_type == HUGINN:
+                raise ValueError("exit_threshold: Huginn has no exit gate; set exit_criterion to use a threshold")
             if not mc.exit_gate:
                 raise ValueError(f"exit_threshold: {mc.model_type} has no exit gate; adaptive depth needs Ouro")
             if self.engine_config.kv_layout != "last_exited":
@@ -199,7 +206,7 @@ class LLMEngine:
                     f"token's deeper KV from its exit depth); the engine runs kv_layout={self.engine_config.kv_layout!r}"
                 )
         elif p.min_loops is not None:
-            raise ValueError("min_loops: only meaningful with exit_threshold < 1 (adaptive depth)")
+            raise ValueError("min_loops: only meaningful with exit_threshold < 1 or an exit_criterion (adaptive depth)")
         for name in ("logprobs", "prompt_logprobs"):
             k = getattr(p, name)
             if k is not None and k > self.engine_config.max_logprobs:
@@ -208,6 +215,22 @@ class LLMEngine:
             raise ValueError("stop_token_ids: ids must be inside the vocabulary")
         if p.stop and self.tokenizer is None:
             raise ValueError("stop: stop strings need the tokenizer (skip_tokenizer_init=True was set)")
+
+    def _validate_criterion(self, p: SamplingParams) -> None:
+        mc = self.model_config
+        if mc.model_type != HUGINN:
+            raise ValueError(
+                f"exit_criterion: the training-free criteria are Huginn's; {mc.model_type} "
+                + ("exits by its learned gate (exit_threshold)" if mc.exit_gate else "has no early exit")
+            )
+        if self.engine_config.huginn_cache != "latest-m4":
+            raise ValueError(
+                "exit_criterion: early exit needs huginn_cache='latest-m4' (later tokens read an exited "
+                f"token's deeper K/V at its exit step); the engine runs huginn_cache={self.engine_config.huginn_cache!r}"
+            )
+        loops = p.num_loops or mc.num_loops
+        if p.min_loops is not None and p.min_loops > loops:
+            raise ValueError(f"min_loops: {p.min_loops} exceeds the request's {loops} loops")
 
     def abort_request(self, request_id: str | list[str]) -> None:
         for rid in [request_id] if isinstance(request_id, str) else request_id:

@@ -8,14 +8,15 @@ only where a row leaves the core and a distribution is needed: the last position
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass, field
 
 import torch
 
 from rlt_serve.attention import RowSpec, get_attention_backend
-from rlt_serve.config import EngineConfig, ModelConfig
+from rlt_serve.config import EngineConfig, ModelConfig, core_ring_slots
 from rlt_serve.engine.kv_cache import KVCache
-from rlt_serve.engine.exit_policy import ExitState, q_exit_step
+from rlt_serve.engine.exit_criteria import exit_step, needs_distribution, new_exit_state, record_exit_depths
 from rlt_serve.engine.scheduler import Row, SchedulerOutput
 from rlt_serve.engine.sequence import Sequence, Span
 from rlt_serve.loader import load_into_module
@@ -54,8 +55,10 @@ class ModelRunner:
         load_into_module(model, model_dir, dtype, device)
         self.model = model.eval()
         self.max_loops = engine_config.max_loops or model_config.num_loops
-        core_slots = 1 if engine_config.kv_layout == "shared" else self.max_loops
-        self.slots_per_layer = model.kv_slots_per_layer(core_slots)
+        # `shared` and Huginn's compress-s{k} keep a ring of slots per core layer, not one per depth.
+        self.ring = core_ring_slots(model_config, engine_config)
+        self.fills_deeper_slots = engine_config.kv_layout == "last_exited" or engine_config.huginn_cache == "latest-m4"
+        self.slots_per_layer = model.kv_slots_per_layer(self.ring or self.max_loops)
         self.kv = KVCache(
             slots_per_layer=self.slots_per_layer,
             num_pages=self._num_pages(),
@@ -65,7 +68,7 @@ class ModelRunner:
             dtype=dtype,
             device=device,
         )
-        self.backend = get_attention_backend(engine_config.attention_backend, device)
+        self.backend = get_attention_backend(engine_config.attention_backend, device, dtype, engine_config.page_size)
 
     def _num_pages(self) -> int:
         ec, mc = self.engine_config, self.model_config
@@ -80,7 +83,7 @@ class ModelRunner:
 
     def depth_slot(self, depth: int) -> int:
         """The KV slot a core row at `depth` reads and writes under the engine's layout."""
-        return 0 if self.engine_config.kv_layout == "shared" else depth
+        return depth % self.ring if self.ring else depth
 
     def _context(self, rows: list[Row], core: bool) -> CoreContext:
         specs = [
@@ -91,10 +94,11 @@ class ModelRunner:
         if core and any(span.exit is not None for _, span in rows):
             write_mask = torch.cat(
                 [
-                    ~span.exit.exited if span.exit is not None else torch.ones(span.num_tokens, dtype=torch.bool)
+                    ~span.exit.exited.to(self.device) if span.exit is not None
+                    else torch.ones(span.num_tokens, dtype=torch.bool, device=self.device)
                     for _, span in rows
                 ]
-            ).to(self.device)
+            )
         return CoreContext(self.backend, self.kv, self.backend.prepare(specs, self.kv, write_mask))
 
     @staticmethod
@@ -112,23 +116,26 @@ class ModelRunner:
         if starting:
             ids = [t for seq, span in starting for t in seq.token_ids(span.start, span.end)]
             ctx = self._context(starting, core=False) if model.prelude_attention else None
-            pre = model.prelude(torch.tensor(ids, dtype=torch.long, device=dev), self._positions(starting, dev), ctx)
+            positions = self._positions(starting, dev)
+            pre = model.prelude(torch.tensor(ids, dtype=torch.long, device=dev), positions, ctx)
+            seeds = [s for seq, span in starting for s in [seq.generator.initial_seed()] * span.num_tokens]
+            state = model.initial_state(pre, seeds, positions)
             injected = self._split(starting, pre.injected) if pre.injected is not None else [None] * len(starting)
-            for (seq, span), h, e in zip(starting, self._split(starting, pre.hidden), injected):
+            for (seq, span), h, e in zip(starting, self._split(starting, state), injected):
                 span.hidden, span.injected = h, e
                 if seq.adaptive:
-                    span.exit = ExitState.new(h)
+                    span.exit = new_exit_state(seq, span, h)
         hidden = torch.cat([span.hidden for _, span in rows])
         injected = torch.cat([span.injected for _, span in rows]) if rows[0][1].injected is not None else None
         core = model.core(hidden, injected, self._positions(rows, dev), self._context(rows, core=True))
         gates = self._split(rows, core.gate_logits) if core.gate_logits is not None else [None] * len(rows)
         fills: list[tuple[Sequence, Span, torch.Tensor]] = []  # tokens that left the core now
         adaptive: list[Span] = []
+        dists = self._check_logits(rows, core.hidden)
         for (seq, span), h, g in zip(rows, self._split(rows, core.hidden), gates):
             span.hidden = h
             if span.exit is not None:
-                p = seq.params
-                new = q_exit_step(span.exit, g, h, span.depth, p.exit_threshold, p.min_loops or 1, seq.num_loops)
+                new = exit_step(seq, span, h, g, dists.get(id(span)))
                 fills.append((seq, span, new))
                 adaptive.append(span)
             elif span.depth + 1 == (span.stop_depth or seq.num_loops):
@@ -138,9 +145,26 @@ class ModelRunner:
                 fills.append((seq, span, torch.ones(span.num_tokens, dtype=torch.bool, device=dev)))
         if adaptive:
             self._decide_exits(rows, adaptive)
-        if self.engine_config.kv_layout == "last_exited":
+        if self.fills_deeper_slots:
             self._fill_deeper_slots(fills)
         return self._coda([(seq, span) for seq, span in rows if span.finished])
+
+    def _check_logits(self, rows: list[Row], hidden: torch.Tensor) -> dict[int, torch.Tensor]:
+        """Next-token logits [V] of each row whose exit criterion reads the distribution at this
+        depth (Huginn's KL, entropy and argmax rules), keyed by id(span): the coda over the row's
+        tokens at their current state (it writes their coda K/V, rewritten when they exit), then
+        the head at the row's last token, as the official evaluators call `predict_from_latents`."""
+        idx = [i for i, (seq, span) in enumerate(rows) if needs_distribution(seq, span)]
+        if not idx:
+            return {}
+        parts = self._split(rows, hidden)
+        picked = [rows[i] for i in idx]
+        coded = self.model.coda(
+            torch.cat([parts[i] for i in idx]), self._positions(picked, self.device), self._context(picked, core=False)
+        )
+        last = torch.tensor(list(itertools.accumulate(span.num_tokens for _, span in picked)), device=self.device) - 1
+        logits = self.model.compute_logits(coded[last])
+        return {id(span): row for (_, span), row in zip(picked, logits)}
 
     def _decide_exits(self, rows: list[Row], adaptive: list[Span]) -> None:
         """Whether each adaptive row has left the core entirely.
@@ -196,10 +220,12 @@ class ModelRunner:
         if not exiting:
             return out
         model = self.model
-        for _, span in exiting:  # adaptive rows read each token's state at its own exit depth
+        for seq, span in exiting:  # adaptive rows read each token's state at its own exit depth
             if span.exit is not None:
                 span.hidden = span.exit.hidden
-                out.exit_depths += span.exit.depth.tolist()
+                depths = span.exit.depth.tolist()
+                record_exit_depths(seq, span, depths)
+                out.exit_depths += depths
             else:
                 out.exit_depths += [span.depth] * span.num_tokens
         if model.coda_attention:  # every exiting token writes its coda KV, later tokens read it

@@ -151,9 +151,12 @@ class Scheduler:
                 ready = i == 0 or seq.spans[i - 1].depth > span.depth  # (c-1, d) is done
                 if ready and span.num_tokens <= p.budget:
                     p.add(seq, span)
-            can_start = not seq.spans or (self.cfg.enable_wavefront_prefill and seq.spans[-1].depth >= 1)
-            if can_start and seq.frontier < seq.num_tokens and p.budget > 0:
-                n = min(seq.num_tokens - seq.frontier, self.cfg.long_prefill_token_threshold, p.budget)
+            # A replay of recorded exits runs its spans in order: a span's coda reads the coda K/V
+            # of the spans before it, which exist only once those have left the core.
+            wavefront = self.cfg.enable_wavefront_prefill and not seq.replays_exits
+            can_start = not seq.spans or (wavefront and seq.spans[-1].depth >= 1)
+            if can_start and seq.frontier < seq.prefill_end and p.budget > 0:
+                n = min(seq.prefill_end - seq.frontier, self.cfg.long_prefill_token_threshold, p.budget)
                 if self._make_room(seq, seq.frontier + n, p, admitting=False):
                     span = Span(seq.frontier, seq.frontier + n)
                     seq.spans.append(span)
@@ -170,7 +173,7 @@ class Scheduler:
                 self.swap.swap_in(seq)
             else:
                 self._match_prefix(seq)
-                n = min(seq.num_tokens - seq.frontier, self.cfg.long_prefill_token_threshold, p.budget)
+                n = min(seq.prefill_end - seq.frontier, self.cfg.long_prefill_token_threshold, p.budget)
                 if not self._make_room(seq, seq.frontier + n, p, admitting=True):
                     bm.release(seq.page_table)  # undo the prefix match; retried next call
                     seq.num_computed = seq.num_registered_pages = 0
@@ -198,7 +201,8 @@ class Scheduler:
     def _page_hashes(self, seq: Sequence, n: int) -> list[bytes]:
         ps, hashes = self.block_manager.page_size, seq.page_hashes
         p = seq.params
-        salt = self.salt + f"|{seq.num_loops}|{p.exit_threshold}|{p.min_loops}".encode()
+        salt = self.salt + seq.cache_salt
+        salt += f"|{seq.num_loops}|{p.exit_threshold}|{p.min_loops}|{p.exit_criterion}|{p.exit_check_interval}".encode()
         while len(hashes) < n:
             i = len(hashes)
             hashes.append(chain_hash(hashes[-1] if hashes else b"", seq.token_ids(i * ps, (i + 1) * ps), salt))
@@ -206,7 +210,7 @@ class Scheduler:
 
     def register_full_pages(self, seq: Sequence) -> None:
         bm = self.block_manager
-        full = seq.num_computed // bm.page_size
+        full = seq.shareable_tokens // bm.page_size
         if full > seq.num_registered_pages:
             for i, h in enumerate(self._page_hashes(seq, full)[seq.num_registered_pages :], seq.num_registered_pages):
                 bm.register(seq.page_table[i], h)

@@ -92,6 +92,12 @@ class Sequence:
     stop_reason: int | str | None = None
     num_preemptions: int = 0
     detokenizer: object | None = None
+    # Prefix-cache salt for what besides tokens and params decides this request's K/V (Huginn's
+    # seeded random initial state).
+    cache_salt: bytes = b""
+    # Huginn exit criteria: the depth at which each generated position (prompt length + i) left the
+    # core, replayed when the request is recomputed after preemption. None: nothing to replay.
+    exit_depths: list[int] | None = None
 
     def __post_init__(self) -> None:
         if self.params.logprobs is not None:
@@ -106,8 +112,26 @@ class Sequence:
 
     @property
     def adaptive(self) -> bool:
-        """Q-exit is on: tokens may leave the core before `num_loops`."""
-        return self.params.exit_threshold is not None and self.params.exit_threshold < 1.0
+        """Early exit is on (Ouro's Q-exit or a Huginn criterion): tokens may leave before `num_loops`."""
+        p = self.params
+        return p.exit_criterion is not None or (p.exit_threshold is not None and p.exit_threshold < 1.0)
+
+    @property
+    def replays_exits(self) -> bool:
+        """Recomputing generated positions whose exit depths were decided earlier (and recorded)."""
+        return self.exit_depths is not None and bool(self.output_token_ids)
+
+    @property
+    def prefill_end(self) -> int:
+        """Where prompt-style spans stop. A replaying request leaves its last (undecided) token to a
+        decode row, so its exit criterion runs exactly as it would have without preemption."""
+        return self.num_tokens - 1 if self.replays_exits else self.num_tokens
+
+    @property
+    def shareable_tokens(self) -> int:
+        """Computed positions whose pages may be shared: with recorded exits only prompt positions,
+        since a generated position's depth is this request's decision, not a function of tokens."""
+        return min(self.num_computed, self.num_prompt_tokens) if self.exit_depths is not None else self.num_computed
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -4,12 +4,14 @@ from __future__ import annotations
 
 from rlt_serve.config import ConfigError, ModelConfig
 from rlt_serve.models.base import LoopedModel
+from rlt_serve.models.huginn import HuginnForCausalLM
 from rlt_serve.models.nanbeige import NanbeigeForCausalLM
 from rlt_serve.models.ouro import OuroForCausalLM
 
 MODEL_REGISTRY: dict[str, type[LoopedModel]] = {
     "ouro": OuroForCausalLM,
     "nanbeige": NanbeigeForCausalLM,
+    "huginn_raven": HuginnForCausalLM,
 }
 
 

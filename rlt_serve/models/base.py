@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from abc import abstractmethod
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
@@ -52,6 +53,15 @@ class LoopedModel(nn.Module):
     def core(
         self, hidden: torch.Tensor, injected: torch.Tensor | None, positions: torch.Tensor, ctx: CoreContext
     ) -> CoreOutput: ...
+
+    def initial_state(self, pre: PreludeOutput, seeds: list[int], positions: torch.Tensor) -> torch.Tensor:
+        """State entering depth 0 per token, given each token's request seed and position. The
+        prelude's output here; Huginn draws a random state keyed by (seed, position), so it does not
+        depend on batching, preemption or recomputation."""
+        return pre.hidden
+
+    def prepare_sequence(self, seq: Any) -> None:
+        """Per-request setup a family needs before scheduling (Huginn: cache salt, exit records)."""
 
     def coda(self, hidden: torch.Tensor, positions: torch.Tensor, ctx: CoreContext | None) -> torch.Tensor:
         """Per-exit layers before the head; the identity for Ouro and Nanbeige."""

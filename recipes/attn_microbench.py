@@ -1,0 +1,68 @@
+"""Attention-kernel microbenchmark on the Ouro-1.4B plane layout (bf16, 96 planes, page 16).
+
+Times one layer's attention call per backend for the three shapes that matter (decode at
+concurrency 1 and 64 with ~576 tokens of context, and a 8192-token prefill of 16 prompts),
+and the KV write alone (Triton kernel vs torch index_copy_), against bandwidth/FLOP floors.
+Usage: python recipes/attn_microbench.py [backend ...]
+"""
+
+from __future__ import annotations
+
+import random
+import sys
+
+import torch
+from triton.testing import do_bench
+
+from rlt_serve.attention.backend import RowSpec, get_attention_backend
+from rlt_serve.attention.flash_backend import write_kv
+from rlt_serve.engine.kv_cache import KVCache
+
+HEADS, KV_HEADS, HEAD_DIM, LAYERS, LOOPS, PAGE = 16, 16, 128, 24, 4, 16
+BW, FLOPS = 4.2e12, 790e12
+DEV, DT = torch.device("cuda"), torch.bfloat16
+
+
+def shapes() -> dict[str, list[tuple[int, int, int]]]:
+    """name -> rows as (num_query, start_pos, depth_slot)."""
+    rng = random.Random(0)
+    return {
+        "decode c=1 ctx 576": [(1, 575, 2)],
+        "decode c=64 ctx ~576": [(1, rng.randint(512, 640), rng.randrange(LOOPS)) for _ in range(64)],
+        "prefill 16x512": [(512, 0, d % LOOPS) for d in range(16)],
+    }
+
+
+def main(backends: list[str]) -> None:
+    kv = KVCache([LOOPS] * 8, 64 * 41 + 64, PAGE, KV_HEADS, HEAD_DIM, DT, DEV)  # layer 5's planes are real
+    free = list(range(kv.num_pages))
+    random.Random(1).shuffle(free)
+    print(f"{'shape':<24}{'backend':<12}{'us':>9}{'floor us':>10}{'of floor':>9}")
+    for name, spec in shapes().items():
+        rows = [RowSpec(n, s, d, free[i * 41 : i * 41 + -(-(s + n) // PAGE)]) for i, (n, s, d) in enumerate(spec)]
+        t = sum(r.num_query for r in rows)
+        q = torch.randn(t, HEADS, HEAD_DIM, device=DEV, dtype=DT)
+        k = torch.randn(t, KV_HEADS, HEAD_DIM, device=DEV, dtype=DT)
+        v = torch.randn_like(k)
+        kv_bytes = sum(r.end_pos for r in rows) * 2 * KV_HEADS * HEAD_DIM * 2
+        flops = sum(4 * HEADS * HEAD_DIM * r.num_query * (r.start_pos + (r.num_query + 1) / 2) for r in rows)
+        floor_us = 1e6 * max(kv_bytes / BW, flops / FLOPS)
+        for b in backends:
+            backend = get_attention_backend(b, DEV, DT, PAGE)
+            meta = backend.prepare(rows, kv)
+            us = 1e3 * do_bench(lambda b=backend, m=meta: b.forward(q, k, v, kv, 5, m, HEAD_DIM**-0.5))  # noqa: B023
+            print(f"{name:<24}{b:<12}{us:>9.1f}{floor_us:>10.1f}{floor_us / us:>9.1%}")
+        # the KV write alone: the Triton kernel vs torch index_copy_ (floor: read + write K and V)
+        write_floor = 1e6 * 4 * k.nbytes / BW
+        triton_backend = get_attention_backend("triton", DEV, DT, PAGE)
+        meta = triton_backend.prepare(rows, kv)
+        us = 1e3 * do_bench(lambda: triton_backend.write(k, v, kv, 5, meta))  # noqa: B023  (called at once)
+        print(f"{name:<24}{'write:triton':<12}{us:>9.1f}{write_floor:>10.1f}{write_floor / us:>9.1%}")
+        k_all, v_all = kv.k.view(-1, KV_HEADS, HEAD_DIM), kv.v.view(-1, KV_HEADS, HEAD_DIM)
+        index = (meta.token_depth_slot + kv.plane_base(5)) * (kv.num_pages * PAGE) + meta.slot_mapping
+        us = 1e3 * do_bench(lambda: write_kv(k_all, v_all, k, v, index, None))  # noqa: B023  (called at once)
+        print(f"{name:<24}{'write:torch':<12}{us:>9.1f}{write_floor:>10.1f}{write_floor / us:>9.1%}")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:] or ["torch", "triton", "flash-attn"])

@@ -1,0 +1,298 @@
+"""Triton attention backend: a KV-write launch and an attention launch per layer, for every row.
+
+Each program of the attention kernel owns a tile of one row: up to `TOK_M` consecutive query
+tokens times the query heads of one KV head (GQA heads are packed into the tile's M dimension,
+so a one-token decode row of a GQA model still fills a matrix-multiply tile). It walks the row's
+KV plane `plane_base + depth_slot[row]` through the row's page table, gathering page ids per key
+position, so page size 1 and 16 take the same path and rows at different depths share one launch.
+Softmax is online (running max and sum in fp32); head dims that are not a power of two are padded
+and masked. K/V of the new tokens is written first by a small kernel (tokens masked out by
+`write_mask` keep what the cache holds), then every query reads its keys from the cache.
+
+When a call has too few programs to fill the GPU (decode at low concurrency: one row is only
+`kv_heads` programs) and long contexts, each program's key range is split (flash-decoding): the
+splits leave unnormalised fp32 partials with their running max and sum, and a third launch merges
+them. `TritonAttentionBackend.num_splits` makes the choice per call.
+
+Triton is imported and the kernels decorated on first launch, not at import: Triton picks its
+CPU interpreter (`TRITON_INTERPRET=1`) when it is imported and when a kernel is decorated, and
+tests choose that per process. Under `from __future__ import annotations` the `tl.constexpr`
+annotations stay unevaluated strings, which both the compiler and the interpreter read.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from rlt_serve.attention.backend import AttentionBackend, AttentionMetadata
+from rlt_serve.engine.kv_cache import KVCache
+
+triton: Any = None  # imported on first launch, see _kernel
+tl: Any = None
+
+_LOG2E = 1.4426950408889634
+_ROW_FIELDS = 4  # q_start, num_query, start_pos, depth_slot
+
+
+def _next_pow2(n: int) -> int:
+    return 1 << max(0, n - 1).bit_length()
+
+
+def _write_kv_kernel(
+    k_ptr, v_ptr, k_cache, v_cache, slot_ptr, depth_ptr, mask_ptr,
+    plane_base, stride_t, stride_plane, stride_slot,
+    WIDTH: tl.constexpr, BLOCK: tl.constexpr, HAS_MASK: tl.constexpr,
+):  # fmt: skip
+    """One program per token: copy its `kv_heads * head_dim` K and V values into its plane."""
+    t = tl.program_id(0)
+    offs = tl.arange(0, BLOCK)
+    ok = offs < WIDTH
+    if HAS_MASK:
+        ok = ok & (tl.load(mask_ptr + t) != 0)
+    plane = (plane_base + tl.load(depth_ptr + t)).to(tl.int64)
+    dst = plane * stride_plane + tl.load(slot_ptr + t).to(tl.int64) * stride_slot + offs
+    src = t.to(tl.int64) * stride_t + offs
+    tl.store(k_cache + dst, tl.load(k_ptr + src, mask=ok), mask=ok)
+    tl.store(v_cache + dst, tl.load(v_ptr + src, mask=ok), mask=ok)
+
+
+def _attention_kernel(
+    q_ptr, o_ptr, k_cache, v_cache, rows_ptr, tiles_ptr, table_ptr,
+    part_acc, part_ml, num_splits, cells,
+    plane_base, qk_scale,
+    stride_qt, stride_qh, stride_ot, stride_oh,
+    stride_plane, stride_page, stride_slot, stride_kvh, stride_table,
+    GROUP: tl.constexpr, GROUP_P: tl.constexpr, TOK_M: tl.constexpr,
+    HEAD_D: tl.constexpr, HEAD_DP: tl.constexpr, BLOCK_N: tl.constexpr,
+    PAGE_SIZE: tl.constexpr, PRECISION: tl.constexpr, SPLIT: tl.constexpr,
+):  # fmt: skip
+    """Program (tile, kv_head, split): causal attention of one tile's queries over its row's plane,
+    or (SPLIT) over split `s` of the key blocks, leaving unnormalised partials for the combine."""
+    tile = tl.program_id(0)
+    kvh = tl.program_id(1)
+    row = tl.load(tiles_ptr + 2 * tile)
+    q_off = tl.load(tiles_ptr + 2 * tile + 1)
+    q_start = tl.load(rows_ptr + 4 * row)
+    num_q = tl.load(rows_ptr + 4 * row + 1)
+    start_pos = tl.load(rows_ptr + 4 * row + 2)
+    plane = (plane_base + tl.load(rows_ptr + 4 * row + 3)).to(tl.int64)
+
+    m = tl.arange(0, TOK_M * GROUP_P)
+    tok = q_off + m // GROUP_P
+    head = kvh * GROUP + m % GROUP_P
+    m_ok = (tok < num_q) & (m % GROUP_P < GROUP)
+    d = tl.arange(0, HEAD_DP)
+    d_ok = d < HEAD_D
+    q_rows = (q_start + tok).to(tl.int64)
+    q = tl.load(
+        q_ptr + q_rows[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :],
+        mask=m_ok[:, None] & d_ok[None, :],
+        other=0.0,
+    )
+    q_pos = start_pos + tok
+    kv_end = start_pos + tl.minimum(num_q, q_off + TOK_M)
+    lo = 0
+    hi = kv_end
+    if SPLIT:  # split s takes an equal share of the row's key blocks
+        per = tl.cdiv(tl.cdiv(kv_end, BLOCK_N), num_splits) * BLOCK_N
+        lo = tl.program_id(2) * per
+        hi = tl.minimum(kv_end, lo + per)
+    kv_base = plane * stride_plane + kvh * stride_kvh
+
+    m_i = tl.full([TOK_M * GROUP_P], float("-inf"), tl.float32)
+    l_i = tl.zeros([TOK_M * GROUP_P], tl.float32)
+    acc = tl.zeros([TOK_M * GROUP_P, HEAD_DP], tl.float32)
+    for n0 in range(lo, hi, BLOCK_N):
+        pos = n0 + tl.arange(0, BLOCK_N)
+        n_ok = pos < hi
+        page = tl.load(table_ptr + row * stride_table + pos // PAGE_SIZE, mask=n_ok, other=0)
+        kv_off = kv_base + page.to(tl.int64) * stride_page + (pos % PAGE_SIZE) * stride_slot
+        kt = tl.load(k_cache + kv_off[None, :] + d[:, None], mask=n_ok[None, :] & d_ok[:, None], other=0.0)
+        s = tl.dot(q, kt, input_precision=PRECISION) * qk_scale
+        s = tl.where((pos[None, :] <= q_pos[:, None]) & n_ok[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a query that sees no key of this block
+        p = tl.exp2(s - m_safe[:, None])
+        alpha = tl.exp2(m_i - m_safe)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = tl.load(v_cache + kv_off[:, None] + d[None, :], mask=n_ok[:, None] & d_ok[None, :], other=0.0)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+        m_i = m_new
+    if SPLIT:  # partials [splits, T, heads, HEAD_DP] and (max, sum) [splits, T, heads, 2], fp32
+        n_heads = tl.num_programs(1) * GROUP
+        cell = tl.program_id(2).to(tl.int64) * cells + q_rows * n_heads + head
+        tl.store(part_acc + cell[:, None] * HEAD_DP + d[None, :], acc, mask=m_ok[:, None])
+        tl.store(part_ml + 2 * cell, m_i, mask=m_ok)
+        tl.store(part_ml + 2 * cell + 1, l_i, mask=m_ok)
+    else:
+        out = acc / l_i[:, None]
+        tl.store(
+            o_ptr + q_rows[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :],
+            out.to(o_ptr.dtype.element_ty),
+            mask=m_ok[:, None] & d_ok[None, :],
+        )
+
+
+def _combine_kernel(
+    o_ptr, part_acc, part_ml, num_splits, cells, stride_ot, stride_oh,
+    HEAD_D: tl.constexpr, HEAD_DP: tl.constexpr, SPLITS_P: tl.constexpr,
+):  # fmt: skip
+    """Program (token, head): merge the splits' partial softmax sums into the output."""
+    t = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1)
+    cell = t * tl.num_programs(1) + h
+    sp = tl.arange(0, SPLITS_P)
+    sp_ok = sp < num_splits
+    m = tl.load(part_ml + 2 * (sp * cells + cell), mask=sp_ok, other=float("-inf"))
+    total = tl.load(part_ml + 2 * (sp * cells + cell) + 1, mask=sp_ok, other=0.0)
+    m_max = tl.max(m, 0)
+    w = tl.where(m == float("-inf"), 0.0, tl.exp2(m - m_max))
+    d = tl.arange(0, HEAD_DP)
+    acc = tl.load(part_acc + (sp[:, None] * cells + cell) * HEAD_DP + d[None, :], mask=sp_ok[:, None], other=0.0)
+    out = tl.sum(acc * w[:, None], 0) / tl.sum(total * w, 0)
+    tl.store(o_ptr + t * stride_ot + h * stride_oh + d, out.to(o_ptr.dtype.element_ty), mask=d < HEAD_D)
+
+
+_JITTED: dict[tuple[str, bool], Any] = {}
+
+
+def _kernel(fn: Any) -> Any:
+    """`triton.jit(fn)`, decorated once per interpreter mode.
+
+    Triton itself is imported here, not at module import: its own library functions
+    (`tl.zeros`, ...) are compiled or interpreted according to TRITON_INTERPRET at the moment
+    triton is imported, so nothing may import it before a test has chosen the mode."""
+    global triton, tl
+    if triton is None:
+        import triton as _triton
+        import triton.language as _tl
+
+        triton, tl = _triton, _tl
+    key = (fn.__name__, os.environ.get("TRITON_INTERPRET", "0") == "1")
+    if key not in _JITTED:
+        _JITTED[key] = triton.jit(fn)
+    return _JITTED[key]
+
+
+@dataclass
+class TritonCallData:
+    """Device tensors of one core call, shared by every layer; tiles are built per GQA group."""
+
+    rows: torch.Tensor  # [R, 4] int32: q_start, num_query, start_pos, depth_slot
+    table: torch.Tensor  # [R, max_pages] int32 page ids (padding 0 is never read)
+    write_mask: torch.Tensor | None  # [T] int8
+    num_query: list[int]
+    max_end: int  # longest context of the call, for the split-KV choice
+    tiles: dict[int, tuple[torch.Tensor, int]] = field(default_factory=dict)  # tok_m -> ([G, 2], G)
+
+    def tiles_for(self, tok_m: int, device: torch.device) -> tuple[torch.Tensor, int]:
+        if tok_m not in self.tiles:
+            flat = [x for r, n in enumerate(self.num_query) for off in range(0, n, tok_m) for x in (r, off)]
+            self.tiles[tok_m] = (torch.tensor(flat, dtype=torch.int32, device=device), len(flat) // 2)
+        return self.tiles[tok_m]
+
+
+class TritonAttentionBackend(AttentionBackend):
+    """Paged, depth-aware attention for CUDA (or Triton's CPU interpreter in tests)."""
+
+    name = "triton"
+    block_n = 64  # keys per inner step; halved for wide tiles (M=64, head_dim > 64) to bound registers
+    num_warps = 4
+    max_splits = 16
+    min_split_keys = 64  # one key block: shorter splits cost more in the combine than they save
+    split_target: int | None = None  # programs to aim for; None: twice the GPU's multiprocessors
+    _sms: int | None = None
+
+    def prepare_extra(self, meta: AttentionMetadata, kv: KVCache) -> TritonCallData:
+        rows = meta.rows
+        width = max(len(r.page_ids) for r in rows)
+        flat: list[int] = []
+        for row, start in zip(rows, meta.query_start):
+            flat += [start, row.num_query, row.start_pos, row.depth_slot]
+        for row in rows:
+            flat += row.page_ids + [0] * (width - len(row.page_ids))
+        packed = torch.tensor(flat, dtype=torch.int32, device=kv.device)  # one host-to-device copy
+        n = _ROW_FIELDS * len(rows)
+        mask = meta.write_mask.to(device=kv.device, dtype=torch.int8) if meta.write_mask is not None else None
+        return TritonCallData(
+            rows=packed[:n].view(len(rows), _ROW_FIELDS),
+            table=packed[n:].view(len(rows), width),
+            write_mask=mask,
+            num_query=[r.num_query for r in rows],
+            max_end=max(r.end_pos for r in rows),
+        )
+
+    def write(self, k: torch.Tensor, v: torch.Tensor, kv: KVCache, layer: int, meta: AttentionMetadata) -> None:
+        """K/V of the call's tokens into their planes (one launch; masked-out tokens skipped)."""
+        data: TritonCallData = meta.extra
+        k_flat, v_flat = kv.flat(layer)
+        k, v = k.to(k_flat.dtype).contiguous(), v.to(v_flat.dtype).contiguous()
+        width = k.shape[1] * k.shape[2]
+        _kernel(_write_kv_kernel)[(k.shape[0],)](
+            k, v, k_flat, v_flat, meta.slot_mapping, meta.token_depth_slot,
+            data.write_mask if data.write_mask is not None else meta.slot_mapping,
+            kv.plane_base(layer), k.stride(0), k_flat.stride(0), k_flat.stride(1),
+            WIDTH=width, BLOCK=_next_pow2(width), HAS_MASK=data.write_mask is not None,
+        )  # fmt: skip
+
+    def num_splits(self, programs: int, max_context: int, device: torch.device) -> int:
+        """Key-range splits per program: enough to fill the GPU twice over when few programs
+        (decode at low concurrency) face long contexts, with at least `min_split_keys` per split."""
+        target = self.split_target
+        if target is None:
+            if self._sms is None:
+                self._sms = (
+                    torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 0
+                )
+            target = 2 * self._sms
+        return max(1, min(-(-target // programs), max_context // self.min_split_keys, self.max_splits))
+
+    def forward(self, q, k, v, kv, layer, meta, scale):
+        data: TritonCallData = meta.extra
+        self.write(k, v, kv, layer, meta)
+        t, heads, head_dim = q.shape
+        kv_heads = k.shape[1]
+        q = q.to(kv.k.dtype).contiguous()  # no-op in the engine: q is fresh and in the KV dtype
+        out = torch.empty_like(q)
+        group = heads // kv_heads
+        group_p = _next_pow2(group)
+        block_m = 64 if max(data.num_query) > 16 // group_p else 16
+        tok_m = max(1, block_m // group_p)
+        tiles, num_tiles = data.tiles_for(tok_m, kv.device)
+        head_dp = max(16, _next_pow2(head_dim))
+        splits = self.num_splits(num_tiles * kv_heads, data.max_end, kv.device)
+        if splits > 1:
+            part_acc = torch.empty(splits, t, heads, head_dp, dtype=torch.float32, device=q.device)
+            part_ml = torch.empty(splits, t, heads, 2, dtype=torch.float32, device=q.device)
+        else:
+            part_acc = part_ml = out  # not read
+        k_pages = kv.k  # [planes, pages, page_size, kv_heads, head_dim]
+        _kernel(_attention_kernel)[(num_tiles, kv_heads, splits)](
+            q, out, k_pages, kv.v, data.rows, tiles, data.table,
+            part_acc, part_ml, splits, t * heads,
+            kv.plane_base(layer), scale * _LOG2E,
+            q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+            k_pages.stride(0), k_pages.stride(1), k_pages.stride(2), k_pages.stride(3), data.table.stride(0),
+            GROUP=group, GROUP_P=group_p, TOK_M=tok_m, HEAD_D=head_dim, HEAD_DP=head_dp,
+            BLOCK_N=self.block_n if head_dp <= 64 or block_m <= 16 else self.block_n // 2,
+            PAGE_SIZE=kv.page_size, PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+            SPLIT=splits > 1, num_warps=self.num_warps,
+        )  # fmt: skip
+        if splits > 1:
+            _kernel(_combine_kernel)[(t, heads)](
+                out, part_acc, part_ml, splits, t * heads, out.stride(0), out.stride(1),
+                HEAD_D=head_dim, HEAD_DP=head_dp, SPLITS_P=max(2, _next_pow2(splits)),
+            )  # fmt: skip
+        return out
+
+
+def available() -> str | None:
+    """None when the backend can run here, else what is missing (found without importing it)."""
+    if importlib.util.find_spec("triton") is None:
+        return "the 'triton' package is not installed (pip install 'triton==3.6.*')"
+    return None

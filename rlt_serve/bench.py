@@ -1,0 +1,329 @@
+"""`rlt-serve bench`: offline throughput and latency, judged against the DESIGN §5 roofline.
+
+A workload is `num_prompts` random-token prompts of `input_len` tokens, each generating exactly
+`output_len` tokens (ignore_eos), at most `concurrency` running at once (the engine's
+max_num_seqs). Warm-up runs (one wave, 8 output tokens: Triton compilation, allocator growth) are
+excluded; the table shows the median of the measured runs, each with fresh prompts so the prefix
+cache never hits.
+
+The floors and ceilings come from the checkpoint itself: its parameter count split into the core
+(read once per loop), the head (final norm and lm_head, once per token) and the embedding (one row
+per token, ignored), its loops, and the measured H200 peaks (4.2 TB/s copy, 790 TFLOP/s bf16
+matmul). A decode step reads the core weights once per loop whatever the batch, plus every row's
+KV of its depth's plane: at high concurrency the KV reads, not the weights, set the floor, so both
+are shown. The end-to-end ceiling is the one the issue defines: prefill at peak matmul rate plus
+each decode step at the weight-read floor.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+import statistics
+import time
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import torch
+from safetensors import safe_open
+
+from rlt_serve.config import ModelConfig
+from rlt_serve.loader import checkpoint_files
+
+H200_BANDWIDTH = 4.2e12  # bytes/s, measured device copy
+H200_BF16_FLOPS = 790e12  # FLOP/s, measured bf16 matmul
+
+
+@dataclass
+class Roofline:
+    """Bytes and FLOPs of one token, from the checkpoint's parameter count."""
+
+    total_params: int
+    core_params: int  # the looped layers, applied once per loop
+    head_params: int  # final norm, exit gate, lm_head (Huginn: prelude, coda): once per token
+    embed_params: int
+    loops: int
+    layers: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    itemsize: int
+    bandwidth: float = H200_BANDWIDTH
+    flops: float = H200_BF16_FLOPS
+
+    @classmethod
+    def from_checkpoint(
+        cls, model_dir: str, cfg: ModelConfig, dtype: torch.dtype, loops: int, **peaks: float
+    ) -> Roofline:
+        core = head = embed = 0
+        has_lm_head = False
+        files = checkpoint_files(model_dir)
+        for path in sorted(set(files.values())):
+            with safe_open(path, framework="pt") as f:
+                for key in f.keys():  # noqa: SIM118  (a safe_open handle, not a dict)
+                    n = math.prod(f.get_slice(key).get_shape())
+                    if "freqs_cis" in key or "inv_freq" in key:  # RoPE tables, not weights
+                        continue
+                    if key.startswith("model.layers.") or ".core_block." in key or ".adapter." in key:
+                        core += n
+                    elif "embed_tokens" in key or key.endswith(".wte.weight"):
+                        embed += n
+                    else:  # Huginn's prelude and coda run once per token too
+                        head += n
+                        has_lm_head |= key == "lm_head.weight"
+        total = core + head + embed
+        if cfg.tie_word_embeddings and not has_lm_head:
+            head += embed  # the output projection reads the whole (tied) embedding
+        itemsize = torch.empty((), dtype=dtype).element_size()
+        return cls(total, core, head, embed, loops, cfg.num_hidden_layers, cfg.num_attention_heads,
+                   cfg.num_key_value_heads, cfg.head_dim, itemsize, **peaks)  # fmt: skip
+
+    @property
+    def weight_bytes_per_step(self) -> int:
+        """Weights one decode step reads: the core once per loop, the head once."""
+        return (self.loops * self.core_params + self.head_params) * self.itemsize
+
+    def kv_bytes(self, context: float) -> float:
+        """KV one decode token reads over all its loops at `context` positions."""
+        return self.loops * self.layers * 2 * self.kv_heads * self.head_dim * self.itemsize * context
+
+    def attn_flops(self, query_positions: float) -> float:
+        """QK^T and PV over all loops for queries that see `query_positions` keys in total."""
+        return self.loops * self.layers * 4 * self.heads * self.head_dim * query_positions
+
+    def decode_flops(self, context: float) -> float:
+        return 2 * (self.loops * self.core_params + self.head_params) + self.attn_flops(context)
+
+    def prefill_flops(self, prompt_len: int) -> float:
+        """One prompt: every position through every loop, logits at the last position only."""
+        dense = 2 * (prompt_len * self.loops * self.core_params + self.head_params)
+        return dense + self.attn_flops(prompt_len * (prompt_len + 1) / 2)
+
+    def step_floor(self, batch: int, context: float, with_kv: bool) -> float:
+        """Seconds for one decode step of `batch` tokens: the slower of reading and computing."""
+        read = self.weight_bytes_per_step + (batch * self.kv_bytes(context) if with_kv else 0)
+        return max(read / self.bandwidth, batch * self.decode_flops(context) / self.flops)
+
+
+@dataclass
+class RunResult:
+    wall_s: float
+    output_tokens: int
+    ttft_s: list[float]
+    tpot_s: list[float]  # per request: (last token - first token) / (n - 1)
+
+    @property
+    def output_tps(self) -> float:
+        return self.output_tokens / self.wall_s
+
+
+@dataclass
+class BenchConfig:
+    model: str
+    concurrency: int = 1
+    num_prompts: int | None = None  # default: concurrency
+    input_len: int = 512
+    output_len: int = 128
+    runs: int = 3
+    warmup: int = 1
+    attention_backend: str = "auto"
+    dtype: str = "auto"
+    device: str = "auto"
+    max_num_batched_tokens: int = 8192
+    long_prefill_token_threshold: int = 2048
+    num_kv_pages: int | None = None
+    num_loops: int | None = None
+    reference: bool = True
+    reference_runs: int = 1
+    seed: int = 0
+    peak_flops: float = H200_BF16_FLOPS
+    peak_bandwidth: float = H200_BANDWIDTH
+
+
+def _prompts(n: int, length: int, vocab: int, seed: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(3, vocab) for _ in range(length)] for _ in range(n)]
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def run_engine_once(
+    engine: Any, prompts: list[list[int]], output_len: int, tag: str, num_loops: int | None = None
+) -> RunResult:
+    """All prompts submitted at t=0; the engine's max_num_seqs bounds concurrency."""
+    from rlt_serve.sampling_params import SamplingParams
+
+    params = SamplingParams(
+        temperature=0.0, max_tokens=output_len, ignore_eos=True, detokenize=False, num_loops=num_loops
+    )
+    _sync(engine.device)
+    t0 = time.perf_counter()
+    for i, p in enumerate(prompts):
+        engine.add_request(f"{tag}-{i}", p, params)
+    first: dict[str, float] = {}
+    last: dict[str, tuple[float, int]] = {}
+    while engine.has_unfinished_requests():
+        outs = engine.step()
+        now = time.perf_counter()
+        for o in outs:
+            n = len(o.outputs[0].token_ids)
+            if n and o.request_id not in first:
+                first[o.request_id] = now
+            if o.finished:
+                last[o.request_id] = (now, n)
+    _sync(engine.device)
+    wall = time.perf_counter() - t0
+    tpot = [(t - first[r]) / (n - 1) for r, (t, n) in last.items() if n > 1]
+    return RunResult(wall, sum(n for _, n in last.values()), [t - t0 for t in first.values()], tpot)
+
+
+def run_reference_once(model_dir: str, dtype: torch.dtype, device: torch.device, prompt: list[int],
+                       output_len: int, num_loops: int | None, ref: Any = None) -> tuple[float, Any]:  # fmt: skip
+    """Greedy by full recompute (the correctness oracle) at concurrency 1: seconds, model."""
+    from rlt_serve.reference import ReferenceModel
+
+    if ref is None:
+        cpu = ReferenceModel.from_pretrained(model_dir, dtype)
+        ref = ReferenceModel(cpu.config, {k: w.to(device) for k, w in cpu.weights.items()}, dtype)
+    with torch.device(device):  # its forward builds positions and masks with default factories
+        _sync(device)
+        t0 = time.perf_counter()
+        ref.greedy(prompt, output_len, num_loops)
+        _sync(device)
+    return time.perf_counter() - t0, ref
+
+
+def _median(xs: list[float]) -> float:
+    return statistics.median(xs) if xs else float("nan")
+
+
+def bench(cfg: BenchConfig) -> dict[str, Any]:
+    """Run the workload; return the measurements, floors and the rendered table."""
+    from rlt_serve.engine.llm_engine import LLMEngine
+
+    n_prompts = cfg.num_prompts or cfg.concurrency
+    checkpoint_loops = ModelConfig.from_pretrained(cfg.model).num_loops
+    engine = LLMEngine(
+        cfg.model,
+        dtype=cfg.dtype,
+        device=cfg.device,
+        skip_tokenizer_init=True,
+        attention_backend=cfg.attention_backend,
+        max_num_seqs=cfg.concurrency,
+        max_num_batched_tokens=cfg.max_num_batched_tokens,
+        long_prefill_token_threshold=min(cfg.long_prefill_token_threshold, cfg.max_num_batched_tokens),
+        num_kv_pages=cfg.num_kv_pages,
+        max_model_len=cfg.input_len + cfg.output_len + 1,
+        max_loops=max(cfg.num_loops, checkpoint_loops) if cfg.num_loops else None,
+    )
+    mc = engine.model_config
+    loops = cfg.num_loops or mc.num_loops
+    roof = Roofline.from_checkpoint(cfg.model, mc, engine.dtype, loops, bandwidth=cfg.peak_bandwidth,
+                                    flops=cfg.peak_flops)  # fmt: skip
+    runs: list[RunResult] = []
+    for r in range(cfg.warmup + cfg.runs):
+        # A warm-up compiles kernels and grows the allocator: one wave of the same shapes, with few
+        # output tokens, is enough and keeps the bench short.
+        warm = r < cfg.warmup
+        n, out = (min(n_prompts, cfg.concurrency), min(cfg.output_len, 8)) if warm else (n_prompts, cfg.output_len)
+        prompts = _prompts(n, cfg.input_len, mc.vocab_size, cfg.seed * 1000 + r)
+        res = run_engine_once(engine, prompts, out, f"run{r}", cfg.num_loops)
+        if not warm:
+            runs.append(res)
+    backend = engine.runner.backend
+    result: dict[str, Any] = {
+        "config": asdict(cfg),
+        "model": {"type": mc.model_type, "params": roof.total_params, "loops": loops, "dtype": str(engine.dtype)},
+        "device": str(engine.device),
+        "backend": {"name": backend.name, "reason": backend.reason, "kernel": getattr(backend, "kernel", backend.name)},
+        "roofline": asdict(roof),
+        "runs": [asdict(r) | {"output_tps": r.output_tps} for r in runs],
+    }
+    result |= _summary(cfg, roof, runs, n_prompts)
+    if cfg.reference:
+        prompt = _prompts(1, cfg.input_len, mc.vocab_size, cfg.seed * 1000 + 999)[0]
+        ref, times = None, []
+        for _ in range(cfg.reference_runs):
+            t, ref = run_reference_once(cfg.model, engine.dtype, engine.device, prompt, cfg.output_len,
+                                        cfg.num_loops, ref)  # fmt: skip
+            times.append(t)
+        result["reference"] = {"runs_s": times, "output_tps": cfg.output_len / _median(times)}
+    result["table"] = render(result)
+    return result
+
+
+def _summary(cfg: BenchConfig, roof: Roofline, runs: list[RunResult], n_prompts: int) -> dict[str, Any]:
+    ctx = cfg.input_len + cfg.output_len / 2  # mean context a decode token attends to
+    c = min(cfg.concurrency, n_prompts)
+    waves = math.ceil(n_prompts / c)
+    decode_steps = waves * max(0, cfg.output_len - 1)
+    prefill_floor = n_prompts * roof.prefill_flops(cfg.input_len) / roof.flops
+    total_out = n_prompts * cfg.output_len
+    ceil_w = total_out / (prefill_floor + decode_steps * roof.step_floor(c, ctx, with_kv=False))
+    ceil_kv = total_out / (prefill_floor + decode_steps * roof.step_floor(c, ctx, with_kv=True))
+    return {
+        "measured": {
+            "wall_s": _median([r.wall_s for r in runs]),
+            "output_tps": _median([r.output_tps for r in runs]),
+            "tpot_ms": 1e3 * _median([_median(r.tpot_s) for r in runs]),
+            "ttft_ms": 1e3 * _median([_median(r.ttft_s) for r in runs]),
+        },
+        "floors": {
+            "decode_ms_weights": 1e3 * roof.step_floor(c, ctx, with_kv=False),
+            "decode_ms_weights_kv": 1e3 * roof.step_floor(c, ctx, with_kv=True),
+            "prefill_ms_one_prompt": 1e3 * roof.prefill_flops(cfg.input_len) / roof.flops,
+            "ceiling_tps_weights": ceil_w,
+            "ceiling_tps_weights_kv": ceil_kv,
+            "weight_gb_per_step": roof.weight_bytes_per_step / 1e9,
+            "decode_gflop_per_token": roof.decode_flops(ctx) / 1e9,
+        },
+    }
+
+
+def render(res: dict[str, Any]) -> str:
+    cfg, m, f = res["config"], res["measured"], res["floors"]
+    n = cfg["num_prompts"] or cfg["concurrency"]
+    b = res["backend"]
+    lines = [
+        (
+            f"model {cfg['model']}: {res['model']['type']}, {res['model']['params'] / 1e6:.1f}M params, "
+            f"{res['model']['loops']} loops, {res['model']['dtype']}, device {res['device']}"
+        ),
+        f"attention backend {b['name']} [{b['kernel']}] ({b['reason']})",
+        (
+            f"workload: concurrency {cfg['concurrency']}, {n} prompts x {cfg['input_len']} tokens, "
+            f"{cfg['output_len']} output tokens each (ignore_eos); median of {len(res['runs'])} runs "
+            f"after {cfg['warmup']} warm-up"
+        ),
+        (
+            f"roofline: {f['weight_gb_per_step']:.3g} GB weights per decode step, "
+            f"{f['decode_gflop_per_token']:.3g} GFLOP per decoded token; peaks "
+            f"{cfg['peak_bandwidth'] / 1e12:.1f} TB/s, {cfg['peak_flops'] / 1e12:.0f} TFLOP/s"
+        ),
+        "",
+        f"{'metric':<34}{'measured':>12}{'floor/ceiling':>16}{'fraction':>10}",
+    ]
+
+    def row(name: str, value: float, bound: float, lower_is_better: bool) -> None:
+        frac = bound / value if lower_is_better else value / bound
+        lines.append(f"{name:<34}{value:>12.4g}{bound:>16.4g}{frac:>10.1%}")
+
+    row("decode ms/token (weights floor)", m["tpot_ms"], f["decode_ms_weights"], True)
+    row("decode ms/token (weights+KV)", m["tpot_ms"], f["decode_ms_weights_kv"], True)
+    if cfg["concurrency"] == 1:
+        row("TTFT ms (prefill at peak FLOPs)", m["ttft_ms"], f["prefill_ms_one_prompt"], True)
+    else:
+        lines.append(f"{'TTFT ms (median, incl. queueing)':<34}{m['ttft_ms']:>12.4g}")
+    row("output tok/s (issue ceiling)", m["output_tps"], f["ceiling_tps_weights"], False)
+    row("output tok/s (ceiling with KV)", m["output_tps"], f["ceiling_tps_weights_kv"], False)
+    lines.append(f"{'wall s (median)':<34}{m['wall_s']:>12.4g}")
+    if "reference" in res:
+        ref = res["reference"]
+        lines.append(
+            f"{'reference c=1 tok/s (recompute)':<34}{ref['output_tps']:>12.4g}"
+            f"{'engine/reference':>16}{m['output_tps'] / ref['output_tps']:>9.1f}x"
+        )
+    return "\n".join(lines)

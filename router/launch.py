@@ -1,0 +1,261 @@
+"""`rlt-serve launch`: start the workers, wait until each is ready, then serve the router.
+
+Workers are separate processes (one engine each) reached over ipc:// sockets in a private run
+directory; the router runs in this process under uvicorn. Loading is waited for before the port
+opens, so a client never meets a half-started server. While serving, a worker that exits is
+reported and handed to the router's pool as dead, so its requests fail instead of hanging. On
+SIGINT/SIGTERM uvicorn stops accepting and finishes open responses (bounded), then the workers
+are told to shut down and killed if they do not; nothing is left running.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import inspect
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import typing
+
+from workers.process import WorkerLaunch, WorkerProcess, stop_all
+from workers.protocol import Ready
+
+
+def _engine_fields() -> dict[str, type]:
+    """EngineConfig's fields and their scalar types: each becomes a --flag, kept in sync."""
+    from rlt_serve.config import EngineConfig
+
+    out = {}
+    for name, hint in typing.get_type_hints(EngineConfig).items():
+        args = [a for a in typing.get_args(hint) if a is not type(None)]
+        out[name] = args[0] if args else hint
+    return out
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default=None, help="checkpoint directory (default: the built-in demo model)")
+    p.add_argument("--served-model-name", default=None, help="model name in the API (default: --model as given)")
+    p.add_argument("--workers", type=int, default=None, help="worker processes in role 'both' (default 1)")
+    p.add_argument("--prefill", type=int, default=None, help="prefill workers (PD disaggregation; not implemented yet)")
+    p.add_argument("--decode", type=int, default=None, help="decode workers (PD disaggregation; not implemented yet)")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000, help="0 picks a free port (printed at start)")
+    p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
+    p.add_argument("--dtype", default="auto")
+    p.add_argument("--api-key", default=os.environ.get("RLT_SERVE_API_KEY"), help="require this Bearer token")
+    p.add_argument("--max-queue", type=int, default=1024, help="requests waiting for credits before 429")
+    p.add_argument("--request-timeout", type=float, default=600.0, help="seconds a request may take in all")
+    p.add_argument("--max-body-bytes", type=int, default=8 << 20)
+    p.add_argument("--load-timeout", type=float, default=600.0, help="seconds each worker may take to load")
+    p.add_argument("--shutdown-timeout", type=float, default=10.0, help="bound on each shutdown phase, seconds")
+    p.add_argument("--uvicorn-log-level", default="warning")
+    eng = p.add_argument_group("engine options (EngineConfig; unset ones keep the engine's defaults)")
+    for name, typ in _engine_fields().items():
+        flag = "--" + name.replace("_", "-")
+        if typ is bool:
+            eng.add_argument(flag, dest=name, action=argparse.BooleanOptionalAction, default=None)
+        else:
+            eng.add_argument(flag, dest=name, type=typ, default=None, metavar=typ.__name__.upper())
+
+
+def engine_args(args: argparse.Namespace) -> dict:
+    return {name: getattr(args, name) for name in _engine_fields() if getattr(args, name) is not None}
+
+
+def _gpu_ids() -> list[str]:
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is not None:
+        return [x.strip() for x in visible.split(",") if x.strip()]
+    try:
+        listing = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, timeout=10).stdout
+    except (OSError, subprocess.SubprocessError):
+        return []
+    return [str(i) for i, line in enumerate(l for l in listing.splitlines() if l.startswith("GPU "))]
+
+
+def _device_envs(device: str, n: int) -> list[dict[str, str]]:
+    """Where each worker computes: one GPU each when there are enough, else a share of the CPU.
+
+    CPU workers split the cores between them: each engine's thread pool would otherwise spin on
+    every core, and N of them contending slows every step several-fold. An OMP_NUM_THREADS the
+    user set is left alone."""
+    ids = [] if device == "cpu" else _gpu_ids()
+    if len(ids) >= n:
+        return [{"CUDA_VISIBLE_DEVICES": ids[i]} for i in range(n)]
+    if ids:
+        if n > 1:
+            print(f"rlt-serve: {n} workers share {len(ids)} GPU(s); lower --gpu-memory-utilization", file=sys.stderr)
+        return [{} for _ in range(n)]
+    if "OMP_NUM_THREADS" in os.environ:
+        return [{} for _ in range(n)]
+    threads = max(1, len(os.sched_getaffinity(0)) // n)
+    return [{"OMP_NUM_THREADS": str(threads)} for _ in range(n)]
+
+
+def _bar(done: int, total: int, width: int = 20) -> str:
+    filled = width * done // total
+    return "[" + "#" * filled + "-" * (width - filled) + f"] {done}/{total}"
+
+
+def _wait_ready(procs: list[WorkerProcess], timeout: float, stop: threading.Event) -> str | None:
+    """Block until every worker is Ready, printing progress; an error message if one is not."""
+    shown: dict[str, str] = {}
+    while not stop.is_set():
+        for p in procs:
+            wid = p.spec.worker_id
+            if p.ready is not None and shown.get(wid) != "ready":
+                shown[wid] = "ready"
+                r: Ready = p.ready
+                done = sum(q.ready is not None for q in procs)
+                print(
+                    f"rlt-serve: loading {_bar(done, len(procs))} worker {wid} ready (pid {r.pid}) in "
+                    f"{time.monotonic() - p.started:.1f}s: {r.total_pages} KV pages x {r.page_size} tokens, "
+                    f"max_model_len {r.max_model_len}, max_num_seqs {r.max_num_seqs}",
+                    flush=True,
+                )
+            elif p.ready is None and p.last_status is not None and shown.get(wid) != p.last_status.stage:
+                shown[wid] = p.last_status.stage
+                print(
+                    f"rlt-serve: worker {wid} (pid {p.pid}) {p.last_status.stage} {p.last_status.detail}".rstrip(),
+                    flush=True,
+                )
+            if p.ready is None and p.exit_code() is not None:
+                p.reap()
+                return p.describe_exit() + " while loading"
+            if p.ready is None and time.monotonic() - p.started > timeout:
+                return f"worker {wid} (pid {p.pid}) was not ready within --load-timeout={timeout:g}s"
+        if all(p.ready is not None for p in procs):
+            return None
+        for p in procs:
+            p.changed.clear()
+        procs[0].changed.wait(0.1)
+    return None
+
+
+async def _supervise(server, app, procs: list[WorkerProcess], announce: str) -> None:
+    """Print the endpoints once listening; report each worker that exits to the router's pool."""
+    dead: set[str] = set()
+    announced = False
+    while True:
+        await asyncio.sleep(0.1)
+        if not announced and server.started:
+            announced = True
+            host, port = server.servers[0].sockets[0].getsockname()[:2]
+            base = f"http://{host}:{port}"
+            print(announce.replace("{base}", base), flush=True)
+        for p in procs:
+            wid = p.spec.worker_id
+            if wid in dead or p.exit_code() is None:
+                continue
+            dead.add(wid)
+            reason = p.describe_exit()
+            print(f"rlt-serve: {reason}", file=sys.stderr, flush=True)
+            pool = getattr(app.state, "pool", None)
+            if pool is not None:
+                result = pool.mark_dead(wid, reason)
+                if inspect.isawaitable(result):
+                    await result
+
+
+async def _serve(server, app, procs: list[WorkerProcess], announce: str) -> None:
+    supervisor = asyncio.create_task(_supervise(server, app, procs, announce))
+    try:
+        await server.serve()
+    finally:
+        supervisor.cancel()
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.prefill is not None or args.decode is not None:
+        print(
+            "rlt-serve launch: roles prefill/decode are not implemented yet (prefill/decode disaggregation "
+            "is a later issue); use --workers N for workers in role 'both'",
+            file=sys.stderr,
+        )
+        return 2
+    n = args.workers if args.workers is not None else 1
+    if n < 1:
+        print("rlt-serve launch: --workers must be >= 1", file=sys.stderr)
+        return 2
+    if args.model:
+        model, name = args.model, args.served_model_name or args.model
+    else:
+        from rlt_serve.demo import DEMO_NAME, ensure_demo
+
+        model, name = ensure_demo(), args.served_model_name or DEMO_NAME
+
+    stop = threading.Event()
+    previous = {sig: signal.signal(sig, lambda s, f: stop.set()) for sig in (signal.SIGINT, signal.SIGTERM)}
+    run_dir = tempfile.mkdtemp(prefix="rlt-serve-")
+    router_addr = f"ipc://{run_dir}/router"
+    procs: list[WorkerProcess] = []
+    try:
+        for i, env in enumerate(_device_envs(args.device, n)):
+            spec = WorkerLaunch(
+                worker_id=str(i),
+                role="both",
+                model=model,
+                in_addr=f"ipc://{run_dir}/worker-{i}",
+                out_addr=router_addr,
+                device=args.device,
+                dtype=args.dtype,
+                engine_args=engine_args(args),
+                env=env,
+            )
+            procs.append(WorkerProcess(spec))
+        print(f"rlt-serve: loading {model} in {n} worker(s): pids {', '.join(str(p.pid) for p in procs)}", flush=True)
+        error = _wait_ready(procs, args.load_timeout, stop)
+        if error is not None:
+            print(f"rlt-serve launch: {error}", file=sys.stderr)
+            return 1
+        if stop.is_set():
+            return 0
+        return _serve_router(args, model, name, router_addr, procs)
+    finally:
+        stop_all(procs, args.shutdown_timeout)
+        shutil.rmtree(run_dir, ignore_errors=True)
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
+def _serve_router(args: argparse.Namespace, model: str, name: str, router_addr: str, procs: list[WorkerProcess]) -> int:
+    import uvicorn
+
+    from router.app import RouterConfig, WorkerSpec, create_app
+
+    config = RouterConfig(
+        model_dir=model,
+        served_model_name=name,
+        router_addr=router_addr,
+        workers=[WorkerSpec(p.spec.worker_id, p.spec.role, p.spec.in_addr, p.pid) for p in procs],
+        api_key=args.api_key,
+        max_queue=args.max_queue,
+        request_timeout=args.request_timeout,
+        max_body_bytes=args.max_body_bytes,
+    )
+    app = create_app(config)
+    server = uvicorn.Server(
+        uvicorn.Config(
+            app,
+            host=args.host,
+            port=args.port,
+            log_level=args.uvicorn_log_level,
+            timeout_graceful_shutdown=args.shutdown_timeout,
+        )
+    )
+    announce = f"rlt-serve: serving {name!r} with {len(procs)} worker(s) at " + (
+        "{base}\n"
+        "  OpenAI API: {base}/v1 (completions, chat/completions, models)\n"
+        "  health: {base}/health  metrics: {base}/metrics"
+    )
+    try:
+        asyncio.run(_serve(server, app, procs, announce))
+    except SystemExit as e:  # uvicorn exits this way when it cannot bind
+        return int(e.code or 1)
+    return 0 if server.started else 1

@@ -1,0 +1,246 @@
+"""The router's side of the ZMQ control plane: worker state and per-request delta streams.
+
+One PULL socket (bound at `router_addr`) receives every worker's messages; one PUSH per worker
+(connected to its `in_addr`) carries Submit and Abort. Sends are synchronous and non-blocking
+(unbounded high-water mark), so an abort can be sent from a `finally` block of a cancelled
+task, where awaiting is not possible.
+
+A worker is dead once the launcher says so (`mark_dead`), it reports itself unhealthy, or no
+message arrived for `heartbeat_timeout` seconds (longer before its warm-up succeeded); death is
+final. Its in-flight requests then get a synthetic error delta at once, so no request waits for a
+worker that will never answer.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import msgspec
+import zmq
+import zmq.asyncio
+
+from router.admission import Admission
+from workers.protocol import Abort, Capacity, Delta, Health, Metrics, Ready, Role, Submit, decode_to_router, encode
+
+log = logging.getLogger("rlt_serve.router")
+
+
+@dataclass
+class WorkerSpec:
+    worker_id: str
+    role: Role
+    in_addr: str
+    pid: int | None = None
+
+
+@dataclass
+class WorkerState:
+    spec: WorkerSpec
+    started: float = field(default_factory=time.monotonic)
+    ready: Ready | None = None
+    alive: bool = True
+    dead_reason: str | None = None
+    last_seen: float | None = None
+    capacity: Capacity | None = None
+    metrics_text: str = ""
+    warm: bool = False  # a real generation succeeded here
+
+    @property
+    def serving(self) -> bool:
+        return self.alive and self.ready is not None
+
+    def describe(self) -> dict:
+        status = "dead" if not self.alive else "ready" if self.warm else "warming" if self.ready else "starting"
+        out: dict = {"status": status, "role": self.spec.role, "pid": self.ready.pid if self.ready else self.spec.pid}
+        if self.dead_reason:
+            out["reason"] = self.dead_reason
+        if self.capacity is not None:
+            c = self.capacity
+            out.update(free_pages=c.free_pages, total_pages=c.total_pages, running=c.running, waiting=c.waiting)
+        return out
+
+
+class WorkerPool:
+    def __init__(
+        self,
+        router_addr: str,
+        workers: list[WorkerSpec],
+        admission: Admission,
+        heartbeat_timeout: float = 3.0,
+        startup_timeout: float = 600.0,
+        warmup_grace: float = 120.0,
+    ) -> None:
+        self.router_addr = router_addr
+        self.admission = admission
+        self.heartbeat_timeout = heartbeat_timeout
+        self.startup_timeout = startup_timeout
+        # A worker's first steps may compile kernels for seconds without a heartbeat (its loop is
+        # single-threaded); until its warm-up succeeded it gets this much silence instead.
+        self.warmup_grace = warmup_grace
+        self.workers: dict[str, WorkerState] = {w.worker_id: WorkerState(w) for w in workers}
+        self.on_ready: Callable[[str], None] | None = None  # called once per worker, on its Ready
+        self._streams: dict[str, tuple[str, asyncio.Queue]] = {}  # request_id -> (worker_id, sink)
+        self._actx: zmq.asyncio.Context | None = None
+        self._ctx: zmq.Context | None = None
+        self._pull: zmq.asyncio.Socket | None = None
+        self._push: dict[str, zmq.Socket] = {}
+        self._tasks: list[asyncio.Task] = []
+
+    # -- lifecycle --------------------------------------------------------------------------
+    async def start(self) -> None:
+        self._actx = zmq.asyncio.Context()
+        self._ctx = zmq.Context()
+        self._pull = self._actx.socket(zmq.PULL)
+        self._pull.setsockopt(zmq.RCVHWM, 0)
+        self._pull.bind(self.router_addr)
+        for wid, st in self.workers.items():
+            sock = self._ctx.socket(zmq.PUSH)
+            sock.setsockopt(zmq.SNDHWM, 0)
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.connect(st.spec.in_addr)
+            self._push[wid] = sock
+            st.started = time.monotonic()
+        self._tasks = [asyncio.create_task(self._receive()), asyncio.create_task(self._watch())]
+
+    async def stop(self) -> None:
+        for t in self._tasks:
+            t.cancel()
+        for t in self._tasks:
+            try:
+                await t
+            except (asyncio.CancelledError, Exception):
+                pass
+        for wid in list(self._streams):
+            self._fail_stream(wid, "the router is shutting down")
+        for sock in self._push.values():
+            sock.close(linger=0)
+        if self._pull is not None:
+            self._pull.close(linger=0)
+        if self._ctx is not None:
+            self._ctx.term()
+        if self._actx is not None:
+            self._actx.term()
+
+    # -- requests ---------------------------------------------------------------------------
+    def submit(self, worker_id: str, msg: Submit, sink: asyncio.Queue) -> None:
+        """Send a request; its deltas (and a synthetic error one if the worker dies) go to `sink`."""
+        st = self.workers.get(worker_id)
+        if st is None or not st.alive:
+            sink.put_nowait(self._error_delta(msg.request_id, f"worker {worker_id} is not available"))
+            return
+        self._streams[msg.request_id] = (worker_id, sink)
+        self._push[worker_id].send(encode(msg), zmq.NOBLOCK)
+
+    def abort(self, request_id: str) -> None:
+        """Stop a request the caller no longer wants; no more deltas are delivered for it."""
+        entry = self._streams.pop(request_id, None)
+        if entry is None:
+            return
+        wid = entry[0]
+        if self.workers[wid].alive:
+            self._push[wid].send(encode(Abort(request_id)), zmq.NOBLOCK)
+
+    def forget(self, request_id: str) -> None:
+        self._streams.pop(request_id, None)
+
+    @property
+    def num_streams(self) -> int:
+        return len(self._streams)
+
+    # -- worker state -----------------------------------------------------------------------
+    def serving_workers(self) -> list[WorkerState]:
+        return [w for w in self.workers.values() if w.serving]
+
+    def mark_dead(self, worker_id: str, reason: str) -> None:
+        st = self.workers.get(worker_id)
+        if st is None or not st.alive:
+            return
+        st.alive = False
+        st.dead_reason = reason
+        st.metrics_text = ""  # its gauges would go on claiming running requests
+        log.error("worker %s is dead: %s", worker_id, reason)
+        self.admission.remove_worker(worker_id)
+        for rid, (wid, _) in list(self._streams.items()):
+            if wid == worker_id:
+                self._fail_stream(rid, f"worker {worker_id} failed: {reason}")
+
+    def _fail_stream(self, request_id: str, error: str) -> None:
+        entry = self._streams.pop(request_id, None)
+        if entry is not None:
+            entry[1].put_nowait(self._error_delta(request_id, error))
+
+    @staticmethod
+    def _error_delta(request_id: str, error: str) -> Delta:
+        return Delta(request_id=request_id, token_ids=[], finish_reason="error", error=error)
+
+    # -- the receive loop -------------------------------------------------------------------
+    async def _receive(self) -> None:
+        assert self._pull is not None
+        while True:
+            data = await self._pull.recv()
+            try:
+                msg = decode_to_router(data)
+            except msgspec.DecodeError as e:
+                log.warning("dropped an undecodable worker message: %s", e)
+                continue
+            try:
+                self._handle(msg)
+            except Exception:  # one bad message must not stop every stream
+                log.exception("error handling %s", type(msg).__name__)
+
+    def _handle(self, msg) -> None:
+        if isinstance(msg, Delta):
+            entry = self._streams.get(msg.request_id)
+            if entry is None:
+                return  # aborted or failed already
+            st = self.workers.get(entry[0])
+            if st is not None:
+                st.last_seen = time.monotonic()
+            if msg.finish_reason is not None:
+                del self._streams[msg.request_id]
+            entry[1].put_nowait(msg)
+            return
+        st = self.workers.get(msg.worker_id)
+        if st is None or not st.alive:
+            return
+        st.last_seen = time.monotonic()
+        if isinstance(msg, Capacity):
+            st.capacity = msg
+            self.admission.update_capacity(
+                msg.worker_id, msg.free_pages, msg.total_pages, msg.free_slots, msg.total_slots
+            )
+        elif isinstance(msg, Health):
+            if not msg.ok:
+                self.mark_dead(msg.worker_id, msg.detail or "reported unhealthy")
+        elif isinstance(msg, Metrics):
+            st.metrics_text = msg.text
+        elif isinstance(msg, Ready) and st.ready is None:
+            st.ready = msg
+            self.admission.add_worker(msg.worker_id, msg.page_size, msg.total_pages, msg.max_num_seqs)
+            if st.capacity is not None:
+                c = st.capacity
+                self.admission.update_capacity(c.worker_id, c.free_pages, c.total_pages, c.free_slots, c.total_slots)
+            if self.on_ready is not None:
+                self.on_ready(msg.worker_id)
+
+    async def _watch(self) -> None:
+        """Declare silent workers dead: missed heartbeats, or never heard from at all."""
+        tick = time.monotonic()
+        while True:
+            await asyncio.sleep(0.25)
+            now = time.monotonic()
+            lagged, tick = now - tick > 1.0, now
+            if lagged:  # this loop was starved: let the receiver catch up before judging anyone
+                continue
+            for wid, st in self.workers.items():
+                if not st.alive:
+                    continue
+                if st.last_seen is None:
+                    if now - st.started > self.startup_timeout:
+                        self.mark_dead(wid, f"not heard from within {self.startup_timeout:g}s of start")
+                elif now - st.last_seen > (self.heartbeat_timeout if st.warm else self.warmup_grace):
+                    self.mark_dead(wid, f"no heartbeat for {now - st.last_seen:.1f}s")

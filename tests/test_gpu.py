@@ -1,0 +1,169 @@
+"""On CUDA, every attention backend against the torch backend and the dense reference.
+
+Run with `pytest -m gpu -q`. TF32 is off, so float32 runs are exact enough for greedy tokens to
+match the CPU reference under the randomised batching workload of test_engine_oracle.py. The
+flash-attn backend runs fp16/bf16 only, so it (and triton) are also compared in bf16 against the
+torch backend: prompt logprobs teacher-forced, generated logprobs up to the first differing
+token (a bf16 near-tie may legitimately flip a token).
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Iterator
+
+import pytest
+import torch
+from test_engine_oracle import CONFIGS, _drive  # the CPU oracle's randomised workload
+
+from rlt_serve.attention.backend import RowSpec, _missing, get_attention_backend
+from rlt_serve.engine.kv_cache import KVCache
+from rlt_serve.engine.llm_engine import LLMEngine
+from rlt_serve.reference import ReferenceModel
+from rlt_serve.sampling_params import SamplingParams
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
+CUDA = torch.device("cuda")
+
+
+@pytest.fixture(autouse=True)
+def no_tf32() -> Iterator[None]:
+    saved = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
+    yield
+    torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = saved
+
+
+def _need(name: str, dtype: torch.dtype) -> None:
+    missing = _missing(name, CUDA, dtype)
+    if missing:
+        pytest.skip(missing)
+
+
+def test_auto_picks_triton_on_cuda():
+    _need("triton", torch.bfloat16)
+    assert get_attention_backend("auto", CUDA, torch.bfloat16).name == "triton"
+
+
+# -- kernels, one call ----------------------------------------------------------------------
+SPANS = [(1, 700), (300, 0), (1, 5), (64, 200), (17, 33), (1, 0), (1, 129)]
+DECODE = [(1, 1000), (1, 300)]  # few programs, long contexts: the split-KV path and its combine
+
+
+@pytest.mark.parametrize("backend", ["triton", "flash-attn"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize(
+    "heads,kv_heads,head_dim,page_size",
+    [(16, 16, 128, 16), (48, 8, 128, 16), (6, 2, 96, 1), (8, 8, 64, 16), (4, 4, 128, 256)],
+)
+@pytest.mark.parametrize("spans", [SPANS, DECODE], ids=["mixed", "decode"])
+@pytest.mark.parametrize("masked", [False, True])
+def test_backend_call_matches_torch(backend, dtype, heads, kv_heads, head_dim, page_size, spans, masked):
+    _need(backend, dtype)
+    rng, gen = random.Random(0), torch.Generator(device=CUDA).manual_seed(0)
+    num_pages = 2000 // page_size + len(spans) + 2
+    pools = [KVCache([1, 4, 1], num_pages, page_size, kv_heads, head_dim, dtype, CUDA) for _ in range(2)]
+    pools[0].k.normal_(generator=gen)
+    pools[0].v.normal_(generator=gen)
+    pools[1].k.copy_(pools[0].k)
+    pools[1].v.copy_(pools[0].v)
+    free = list(range(num_pages))
+    rng.shuffle(free)
+    rows = [RowSpec(n, s, rng.randrange(4), [free.pop() for _ in range(-(-(s + n) // page_size))]) for n, s in spans]
+    t = sum(n for n, _ in spans)
+    q, k, v = (
+        torch.randn(t, h, head_dim, generator=gen, device=CUDA, dtype=dtype) for h in (heads, kv_heads, kv_heads)
+    )
+    mask = (torch.rand(t, generator=gen, device=CUDA) > 0.3) if masked else None
+    ref = get_attention_backend("torch", CUDA, dtype, page_size)
+    other = get_attention_backend(backend, CUDA, dtype, page_size)
+    want = ref.forward(q, k, v, pools[0], 1, ref.prepare(rows, pools[0], mask), head_dim**-0.5)
+    got = other.forward(q, k, v, pools[1], 1, other.prepare(rows, pools[1], mask), head_dim**-0.5)
+    tol = 1e-4 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(got.float(), want.float(), atol=tol, rtol=tol)
+    assert torch.equal(pools[0].k, pools[1].k) and torch.equal(pools[0].v, pools[1].v), "KV writes differ"
+
+
+# -- whole engine, float32 greedy against the reference ---------------------------------------
+SHAPES = {
+    "ouro": {"num_attention_heads": 4, "num_key_value_heads": 4, "head_dim": 128},
+    "nanbeige": {"num_attention_heads": 6, "num_key_value_heads": 2, "head_dim": 96},
+}
+
+
+def _workload(vocab: int, seed: str, n: int = 32, **params) -> list[dict]:
+    rng = random.Random(seed)
+    requests = []
+    for i in range(n):
+        r = {
+            "id": f"r{i}",
+            "prompt": [rng.randrange(3, vocab) for _ in range(rng.randint(1, 200))],
+            "params": SamplingParams(temperature=0.0, max_tokens=rng.randint(1, 10), ignore_eos=True, **params),
+            "arrival": rng.randint(0, 60),
+        }
+        if rng.random() < 0.2:
+            r["abort_at"] = r["arrival"] + rng.randint(0, 30)
+        requests.append(r)
+    return requests
+
+
+def _engine(path: str, backend: str, dtype: str, page_size: int, chunk: int, budget: int, pages: int | None):
+    return LLMEngine(path, dtype=dtype, device="cuda", skip_tokenizer_init=True, attention_backend=backend,
+                     page_size=page_size, long_prefill_token_threshold=chunk, max_num_batched_tokens=budget,
+                     num_kv_pages=pages, max_num_seqs=16)  # fmt: skip
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+@pytest.mark.parametrize("family", ["ouro", "nanbeige"])
+@pytest.mark.parametrize("page_size,chunk,budget,pages", CONFIGS)
+def test_engine_fp32_greedy_matches_reference(tmp_checkpoint, backend, family, page_size, chunk, budget, pages):
+    _need(backend, torch.float32)
+    path = tmp_checkpoint(family, seed=7, **SHAPES[family])
+    ref = ReferenceModel.from_pretrained(path)
+    requests = _workload(ref.config.vocab_size, f"{family}-{page_size}-{chunk}", logprobs=1)
+    engine = _engine(path, backend, "float32", page_size, chunk, budget, pages)
+    finished = _drive(engine, requests, random.Random(0))
+    assert engine.num_free_pages == engine.num_pages, "pages leaked"
+    compared = 0
+    for r in requests:
+        (out,) = finished[r["id"]]
+        c = out.outputs[0]
+        if c.finish_reason == "abort":
+            continue
+        want, logits = ref.greedy(r["prompt"], len(c.token_ids))
+        assert c.token_ids == want, r["id"]
+        lp = torch.log_softmax(logits.double(), -1)
+        for i, (tok, table) in enumerate(zip(c.token_ids, c.logprobs)):
+            assert abs(table[tok].logprob - lp[i, tok].item()) < 1e-3
+        compared += 1
+    assert compared >= 16
+
+
+# -- whole engine, bf16 against the torch backend ---------------------------------------------
+def _logprob_runs(path: str, backend: str, requests: list[dict]) -> dict[str, tuple]:
+    engine = _engine(path, backend, "bfloat16", 16, 64, 128, None)
+    finished = _drive(engine, requests, random.Random(0))
+    out = {}
+    for r in requests:
+        (o,) = finished[r["id"]]
+        c = o.outputs[0]
+        if c.finish_reason == "abort":
+            continue
+        prompt = [t[tok].logprob for t, tok in zip(o.prompt_logprobs[1:], r["prompt"][1:])]
+        out[r["id"]] = (prompt, c.token_ids, [t[tok].logprob for t, tok in zip(c.logprobs, c.token_ids)])
+    return out
+
+
+@pytest.mark.parametrize("backend", ["triton", "flash-attn"])
+@pytest.mark.parametrize("family", ["ouro", "nanbeige"])
+def test_engine_bf16_logprobs_match_torch(tmp_checkpoint, backend, family):
+    _need(backend, torch.bfloat16)
+    path = tmp_checkpoint(family, seed=7, dtype="bfloat16", **SHAPES[family])
+    requests = _workload(384, f"bf16-{family}", n=24, logprobs=1, prompt_logprobs=1)
+    want, got = _logprob_runs(path, "torch", requests), _logprob_runs(path, backend, requests)
+    assert want.keys() == got.keys() and len(want) >= 12
+    for rid, (prompt, tokens, logprobs) in want.items():
+        g_prompt, g_tokens, g_logprobs = got[rid]
+        assert max((abs(a - b) for a, b in zip(prompt, g_prompt)), default=0.0) < 0.05, rid
+        same = next((i for i, (a, b) in enumerate(zip(tokens, g_tokens)) if a != b), len(tokens))
+        assert max((abs(a - b) for a, b in zip(logprobs[: same + 1], g_logprobs[: same + 1])), default=0.0) < 0.05

@@ -1,0 +1,107 @@
+"""A real `rlt-serve launch` for the router tests: a subprocess on a free port, CPU, demo model.
+
+Not a test module of its own (it has no tests); the router test modules import `launch` and
+`demo_checkpoint` from here and each keeps one server for the whole module, since starting one
+costs seconds on CPU.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import httpx
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+_URL = re.compile(r"serving .* at (http://\S+)")
+
+
+def demo_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """The demo checkpoint under a private RLT_SERVE_CACHE, shared by the whole session (it is
+    built on first use and found on disk after that)."""
+    from rlt_serve.demo import ensure_demo
+
+    cache = tmp_path_factory.getbasetemp() / "rlt-serve-cache"
+    os.environ["RLT_SERVE_CACHE"] = str(cache)
+    return ensure_demo()
+
+
+class Server:
+    def __init__(self, proc: subprocess.Popen, base_url: str, log: list[str]) -> None:
+        self.proc = proc
+        self.base_url = base_url
+        self.log = log
+        self.http = httpx.Client(base_url=base_url, timeout=60.0)
+
+    def metrics(self) -> dict[str, float]:
+        """`name{labels}` -> value for every sample of one /metrics scrape."""
+        out = {}
+        for line in self.http.get("/metrics").text.splitlines():
+            if line and not line.startswith("#"):
+                key, _, value = line.rpartition(" ")
+                out[key] = float(value)
+        return out
+
+    def metric(self, name: str, **labels: str) -> float:
+        wanted = [f'{k}="{v}"' for k, v in labels.items()]
+        total = 0.0
+        for key, value in self.metrics().items():
+            base = key.split("{", 1)[0]
+            if base == name and all(w in key for w in wanted):
+                total += value
+        return total
+
+    def wait_for(self, predicate, timeout: float = 20.0, what: str = "condition") -> None:
+        end = time.monotonic() + timeout
+        while time.monotonic() < end:
+            if predicate():
+                return
+            time.sleep(0.1)
+        raise AssertionError(f"timed out waiting for {what}; server log tail:\n" + "".join(self.log[-30:]))
+
+
+@contextmanager
+def launch(model: str, *args: str, workers: int = 1, ready_timeout: float = 120.0) -> Iterator[Server]:
+    cmd = [sys.executable, "-m", "rlt_serve.cli", "launch", "--model", model, "--served-model-name", "demo",
+           "--device", "cpu", "--port", "0", "--workers", str(workers), *args]  # fmt: skip
+    proc = subprocess.Popen(
+        cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
+    )
+    log: list[str] = []
+    found = threading.Event()
+    url: list[str] = []
+
+    def read() -> None:
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            log.append(line)
+            m = _URL.search(line)
+            if m and not url:
+                url.append(m.group(1))
+                found.set()
+        found.set()
+
+    threading.Thread(target=read, daemon=True).start()
+    try:
+        if not found.wait(ready_timeout) or not url:
+            raise RuntimeError("rlt-serve launch did not start:\n" + "".join(log))
+        server = Server(proc, url[0], log)
+        server.wait_for(lambda: server.http.get("/health").status_code == 200, ready_timeout, "/health 200")
+        yield server
+    finally:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(30)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()

@@ -1,0 +1,119 @@
+"""The Triton backend against the torch backend, run by Triton's CPU interpreter.
+
+Float32 and tiny shapes only: the interpreter executes every program in numpy (slow), and its
+bf16 `tl.dot` is broken. Triton reads TRITON_INTERPRET when it is first imported, so this module
+sets it at collection, and only where no CUDA device exists (there nothing could run compiled
+Triton anyway; on a GPU machine tests/test_gpu.py runs the compiled kernels instead). The backend
+imports triton lazily, so no earlier test module has imported it in compiled mode.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import random
+import sys
+
+import pytest
+import torch
+
+if importlib.util.find_spec("triton") is None:
+    pytest.skip("triton is not installed (pip install 'triton==3.6.*' 'numpy<2.4')", allow_module_level=True)
+if torch.cuda.is_available():
+    pytest.skip("a CUDA device is present: tests/test_gpu.py runs the compiled kernels", allow_module_level=True)
+if "triton" in sys.modules and os.environ.get("TRITON_INTERPRET") != "1":
+    pytest.fail("triton was imported in compiled mode before this module could select its interpreter")
+os.environ["TRITON_INTERPRET"] = "1"
+
+# The interpreter reads loop bounds with int() of a one-element array, which numpy deprecates.
+pytestmark = pytest.mark.filterwarnings("ignore:Conversion of an array with ndim:DeprecationWarning")
+
+from rlt_serve.attention.backend import RowSpec, get_attention_backend
+from rlt_serve.attention.torch_backend import TorchAttentionBackend
+from rlt_serve.attention.triton_backend import TritonAttentionBackend
+from rlt_serve.engine.kv_cache import KVCache
+from rlt_serve.engine.llm_engine import LLMEngine
+from rlt_serve.sampling_params import SamplingParams
+
+
+def _random_call(heads, kv_heads, head_dim, page_size, spans, seed, masked):
+    """Two identical KV pools (random contents), rows at random depths over shuffled pages."""
+    rng, gen = random.Random(seed), torch.Generator().manual_seed(seed)
+    slots, num_pages = [1, 3, 1], 160 // page_size + 8
+    pools = [KVCache(slots, num_pages, page_size, kv_heads, head_dim, torch.float32, torch.device("cpu"))
+             for _ in range(2)]  # fmt: skip
+    pools[0].k.normal_(generator=gen)
+    pools[0].v.normal_(generator=gen)
+    pools[1].k.copy_(pools[0].k)
+    pools[1].v.copy_(pools[0].v)
+    free = list(range(num_pages))
+    rng.shuffle(free)
+    rows = []
+    for num_query, start in spans:
+        n = -(-(start + num_query) // page_size)
+        rows.append(RowSpec(num_query, start, rng.randrange(3), [free.pop() for _ in range(n)]))
+    t = sum(num_query for num_query, _ in spans)
+    q = torch.randn(t, heads, head_dim, generator=gen)
+    k = torch.randn(t, kv_heads, head_dim, generator=gen)
+    v = torch.randn(t, kv_heads, head_dim, generator=gen)
+    mask = torch.rand(t, generator=gen) > 0.3 if masked else None
+    return pools, rows, (q, k, v), mask
+
+
+# decode rows (1 token) and prompt spans (cached prefix + span) in one call
+MIXED = [(1, 5), (7, 0), (1, 70), (20, 9), (3, 3), (1, 0)]
+DECODE_ONLY = [(1, 5), (1, 90), (1, 0), (1, 33)]
+
+
+@pytest.mark.parametrize(
+    "heads,kv_heads,head_dim,page_size,spans,masked",
+    [
+        (4, 4, 16, 1, MIXED, False),
+        (4, 4, 16, 16, MIXED, True),
+        (6, 2, 24, 16, MIXED, False),  # GQA group 3 (padded to 4), head_dim 24 (padded to 32)
+        (8, 2, 32, 1, MIXED, True),
+        (6, 1, 24, 1, DECODE_ONLY, False),  # decode-only call: the narrow tile
+        (2, 2, 32, 16, [(80, 0), (1, 100)], False),  # a long span: several query tiles and key blocks
+    ],
+)
+@pytest.mark.parametrize("splits", [1, 3], ids=["whole", "split-kv"])
+def test_triton_matches_torch(heads, kv_heads, head_dim, page_size, spans, masked, splits):
+    (kv_ref, kv_tri), rows, (q, k, v), mask = _random_call(heads, kv_heads, head_dim, page_size, spans, 0, masked)
+    ref, tri = TorchAttentionBackend(), TritonAttentionBackend()
+    if splits > 1:  # force split-KV plus the combine: every program's keys cut into up to 3 ranges
+        tri.split_target, tri.min_split_keys, tri.max_splits = 10**6, 16, splits
+    scale = head_dim**-0.5
+    want = ref.forward(q, k, v, kv_ref, 1, ref.prepare(rows, kv_ref, mask), scale)
+    got = tri.forward(q, k, v, kv_tri, 1, tri.prepare(rows, kv_tri, mask), scale)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    assert torch.equal(kv_tri.k, kv_ref.k) and torch.equal(kv_tri.v, kv_ref.v), "KV writes differ"
+
+
+def test_auto_stays_torch_on_cpu_even_when_interpreting():
+    assert get_attention_backend("auto", torch.device("cpu")).name == "torch"
+    assert get_attention_backend("triton", torch.device("cpu")).name == "triton"
+
+
+def _greedy(path: str, backend: str) -> dict[str, tuple[list[int], list[float]]]:
+    engine = LLMEngine(path, dtype="float32", device="cpu", skip_tokenizer_init=True, attention_backend=backend,
+                       page_size=4, long_prefill_token_threshold=5, max_num_batched_tokens=12, max_loops=4)  # fmt: skip
+    rng = random.Random(1)
+    for i, loops in enumerate((4, 2, 3)):
+        prompt = [rng.randrange(3, 384) for _ in range(rng.randint(1, 12))]
+        engine.add_request(str(i), prompt, SamplingParams(temperature=0, max_tokens=4, ignore_eos=True, logprobs=1,
+                                                          num_loops=loops))  # fmt: skip
+    done = {}
+    while engine.has_unfinished_requests():
+        done.update({o.request_id: o.outputs[0] for o in engine.step() if o.finished})
+    assert engine.num_free_pages == engine.num_pages
+    return {r: (c.token_ids, [lp[t].logprob for t, lp in zip(c.token_ids, c.logprobs)]) for r, c in done.items()}
+
+
+def test_engine_greedy_triton_matches_torch(tmp_checkpoint):
+    """Chunked prompts, mixed depths and decode through the whole engine, both backends."""
+    path = tmp_checkpoint("ouro", seed=3, num_attention_heads=4, num_key_value_heads=2, head_dim=16)
+    want, got = _greedy(path, "torch"), _greedy(path, "triton")
+    assert got.keys() == want.keys()
+    for rid, (tokens, logprobs) in want.items():
+        assert got[rid][0] == tokens, rid
+        assert max(abs(a - b) for a, b in zip(got[rid][1], logprobs)) < 1e-4

@@ -1,0 +1,302 @@
+"""A worker process: one `LLMEngine`, driven by the router over ZMQ.
+
+    python -m workers.worker --worker-id W --role both --model DIR --in-addr ADDR --out-addr ADDR
+
+It binds a PULL socket on --in-addr (Submit, Abort, Shutdown from the router) and connects a
+PUSH to --out-addr (Delta, Capacity, Health, Metrics to the router). Start-up progress also goes
+to stdout as status lines (`workers.protocol.status_line`), because the launcher waits for every
+worker before the router listens. The loop never blocks while the engine has work: it drains the
+inbox without waiting, runs one engine step, sends one Delta per request that got a token, and
+publishes capacity and metrics on their own clocks (heartbeats come from a thread, see
+`workers.heartbeat`, so a long step is not mistaken for a dead worker). A request that errors fails
+alone; an engine step that raises fails every request and ends the process non-zero, since the
+engine's state can no longer be trusted.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import sys
+import time
+import traceback
+from typing import Any
+
+import zmq
+
+from workers.protocol import (
+    Abort,
+    Capacity,
+    Delta,
+    Health,
+    Loading,
+    Metrics,
+    Ready,
+    Shutdown,
+    Submit,
+    ToRouter,
+    decode_to_worker,
+    encode,
+    status_line,
+)
+
+IDLE_POLL_S = 0.02
+CAPACITY_MIN_INTERVAL_S = 0.05
+HEARTBEAT_S = 0.5
+METRICS_S = 1.0
+EXIT_ENGINE_FAILED = 3
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m workers.worker", description="rlt-serve worker process")
+    p.add_argument("--worker-id", required=True)
+    p.add_argument("--role", choices=["both", "prefill", "decode"], default="both")
+    p.add_argument("--model", required=True, help="checkpoint directory")
+    p.add_argument("--in-addr", required=True, help="zmq address this worker binds (router -> worker)")
+    p.add_argument("--out-addr", required=True, help="zmq address of the router's PULL (worker -> router)")
+    p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
+    p.add_argument("--dtype", default="auto")
+    p.add_argument("--engine-args", default="{}", help="JSON object of EngineConfig fields")
+    p.add_argument("--drain-timeout", type=float, default=30.0, help="seconds a graceful shutdown may take")
+    return p.parse_args(argv)
+
+
+def _say(msg: Loading | Ready) -> None:
+    print(status_line(msg), flush=True)
+
+
+class Worker:
+    def __init__(
+        self, worker_id: str, engine: Any, pull: zmq.Socket, push: zmq.Socket, out_addr: str, drain_timeout: float
+    ) -> None:
+        from workers.heartbeat import Heartbeat
+        from workers.metrics import WorkerMetrics
+        from workers.tracker import RequestTracker
+
+        self.worker_id = worker_id
+        self.engine = engine
+        self.pull = pull
+        self.push = push
+        self.drain_timeout = drain_timeout
+        self.metrics = WorkerMetrics()
+        self.tracker = RequestTracker()
+        self.heartbeat = Heartbeat(push.context, out_addr, worker_id, HEARTBEAT_S)
+        self.max_num_seqs = engine.engine_config.max_num_seqs
+        self.stopping = False
+        self.stop_by: float | None = None  # monotonic; past it, remaining requests are aborted
+        self._poller = zmq.Poller()
+        self._poller.register(pull, zmq.POLLIN)
+        self._parent = os.getppid()
+        self._last_capacity: tuple[int, ...] | None = None
+        self._capacity_at = self._parent_checked_at = self._metrics_at = 0.0
+
+    # -- messages in ---------------------------------------------------------------------
+    def _drain_inbox(self, timeout_s: float) -> None:
+        if not self._poller.poll(int(timeout_s * 1000)):
+            return
+        while True:
+            try:
+                data = self.pull.recv(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            try:
+                msg = decode_to_worker(data)
+            except Exception as e:  # a bad frame must not take the worker down
+                print(f"worker {self.worker_id}: dropped an undecodable message: {e}", file=sys.stderr)
+                continue
+            if isinstance(msg, Submit):
+                self._submit(msg)
+            elif isinstance(msg, Abort):
+                self._abort(msg.request_id, None)
+            elif isinstance(msg, Shutdown):
+                self.begin_shutdown(msg.drain)
+
+    def _submit(self, msg: Submit) -> None:
+        from rlt_serve.sampling_params import SamplingParams
+
+        if self.stopping:
+            self._fail(msg.request_id, "worker is shutting down")
+            return
+        try:
+            try:
+                params = SamplingParams(**msg.sampling)
+            except TypeError as e:  # unknown field names
+                raise ValueError(f"sampling: {e}") from None
+            self.engine.add_request(msg.request_id, msg.prompt_token_ids, params, priority=msg.priority)
+        except Exception as e:
+            self._fail(msg.request_id, str(e))
+            return
+        self.tracker.add(msg.request_id, msg.deadline, params.prompt_logprobs is not None)
+
+    def _abort(self, request_id: str, error: str | None) -> None:
+        """Abort in the engine; the final Delta comes out of the next step."""
+        if request_id not in self.tracker:
+            return
+        if error is not None and not self.tracker.mark_aborted(request_id, error):
+            return
+        self.engine.abort_request(request_id)
+
+    def begin_shutdown(self, drain: bool) -> None:
+        if not self.stopping:
+            self.stopping = True
+            self.stop_by = time.monotonic() + self.drain_timeout
+        if not drain:
+            self.stop_by = time.monotonic()
+
+    # -- messages out --------------------------------------------------------------------
+    def send(self, msg: ToRouter) -> None:
+        self.push.send(encode(msg))
+
+    def _fail(self, request_id: str, error: str) -> None:
+        self.metrics.count_error()
+        self.send(Delta(request_id=request_id, token_ids=[], finish_reason="error", error=error))
+
+    def _publish(self, force: bool = False) -> None:
+        now = time.monotonic()
+        st = self.engine.stats()
+        self.metrics.update_stats(st)
+        slots = max(0, self.max_num_seqs - st.num_running - st.num_waiting)
+        cap = (st.num_free_pages, st.num_pages, slots, st.num_running, st.num_waiting)
+        changed = cap != self._last_capacity and now - self._capacity_at >= CAPACITY_MIN_INTERVAL_S
+        if force or changed or now - self._capacity_at >= HEARTBEAT_S:
+            self.send(Capacity(self.worker_id, cap[0], cap[1], slots, self.max_num_seqs, cap[3], cap[4]))
+            self._last_capacity, self._capacity_at = cap, now
+        if now - self._parent_checked_at >= HEARTBEAT_S:
+            self._parent_checked_at = now
+            if os.getppid() != self._parent:  # the launcher is gone: nobody will read us
+                print(f"worker {self.worker_id}: parent exited, shutting down", file=sys.stderr)
+                self.push.setsockopt(zmq.LINGER, 0)
+                self.begin_shutdown(drain=False)
+        if force or now - self._metrics_at >= METRICS_S:
+            self.send(Metrics(self.worker_id, self.metrics.render()))
+            self._metrics_at = now
+
+    # -- the loop ------------------------------------------------------------------------
+    def _step(self) -> None:
+        before = self.engine.stats().num_core_calls
+        t0 = time.perf_counter()
+        outputs = self.engine.step()
+        elapsed = time.perf_counter() - t0
+        st = self.engine.stats()
+        if st.num_core_calls != before:
+            self.metrics.observe_core_call(st, elapsed)
+        now = time.monotonic()
+        for out in outputs:
+            made = self.tracker.delta(out)
+            if made is None:
+                continue
+            delta, req = made
+            if delta.token_ids and req.num_sent == len(delta.token_ids):  # this delta holds the first token
+                self.metrics.prefill_seconds.observe(now - req.submitted)
+            if delta.finish_reason is not None and req.first_token is not None:
+                self.metrics.decode_seconds.observe(now - req.first_token)
+            self.send(delta)
+
+    def _enforce_deadlines(self) -> None:
+        for rid in self.tracker.expired(time.time()):
+            self._abort(rid, "deadline exceeded")
+        if self.stop_by is not None and time.monotonic() >= self.stop_by:
+            for rid in self.tracker.ids():
+                self._abort(rid, "worker is shutting down")
+
+    def run(self) -> int:
+        """Serve until shut down; the exit status for the process."""
+        self.heartbeat.start()
+        try:
+            return self._loop()
+        finally:
+            self.heartbeat.stop()
+
+    def _loop(self) -> int:
+        self._publish(force=True)
+        while True:
+            busy = self.engine.has_unfinished_requests()
+            self._drain_inbox(0 if busy else IDLE_POLL_S)
+            self._enforce_deadlines()
+            if self.engine.has_unfinished_requests():
+                try:
+                    self._step()
+                except Exception as e:
+                    self._engine_failed(e)
+                    return EXIT_ENGINE_FAILED
+            self._publish()
+            if self.stopping and not self.engine.has_unfinished_requests():
+                for rid in self.tracker.ids():  # the engine lost them: still end each exactly once
+                    self.tracker.pop(rid)
+                    self._fail(rid, "worker is shutting down")
+                self._publish(force=True)
+                self.heartbeat.stop()
+                self.send(Health(self.worker_id, ok=False, detail="shut down"))
+                return 0
+
+    def _engine_failed(self, exc: Exception) -> None:
+        traceback.print_exc()
+        detail = f"engine step failed: {type(exc).__name__}: {exc}"
+        self.heartbeat.stop()
+        for rid in self.tracker.ids():  # each request's own error first, then the worker's
+            self.tracker.pop(rid)
+            self._fail(rid, detail)
+        self.send(Health(self.worker_id, ok=False, detail=detail))
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    t0 = time.monotonic()
+    wid = args.worker_id
+    _say(Loading(wid, "starting", 0.0))
+    if args.role != "both":
+        _say(Loading(wid, "failed", time.monotonic() - t0, f"role {args.role!r} is not implemented yet"))
+        return 2
+    # While loading there is nothing to drain: a signal ends the process at once. Once the loop
+    # runs, it asks for a graceful drain instead.
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+    ctx = zmq.Context()
+    pull = ctx.socket(zmq.PULL)
+    pull.bind(args.in_addr)
+    push = ctx.socket(zmq.PUSH)
+    push.setsockopt(zmq.SNDHWM, 0)  # never drop a delta; the router is the only reader
+    push.setsockopt(zmq.LINGER, 2000)  # flush the last deltas on exit, but do not hang
+    push.connect(args.out_addr)
+    try:
+        _say(Loading(wid, "loading", time.monotonic() - t0, args.model))
+        from rlt_serve.engine.llm_engine import LLMEngine
+
+        engine_args = json.loads(args.engine_args)
+        if not isinstance(engine_args, dict):
+            raise ValueError("--engine-args must be a JSON object")
+        engine = LLMEngine(args.model, dtype=args.dtype, device=args.device, **engine_args)
+    except Exception as e:
+        traceback.print_exc()
+        _say(Loading(wid, "failed", time.monotonic() - t0, f"{type(e).__name__}: {e}"))
+        push.send(encode(Health(wid, ok=False, detail=f"loading failed: {e}")))
+        pull.close(linger=0)
+        push.close()
+        ctx.term()
+        return 1
+    ready = Ready(
+        worker_id=wid,
+        role=args.role,
+        pid=os.getpid(),
+        model=args.model,
+        page_size=engine.engine_config.page_size,
+        total_pages=engine.num_pages,
+        max_num_seqs=engine.engine_config.max_num_seqs,
+        max_model_len=engine.max_model_len,
+    )
+    worker = Worker(wid, engine, pull, push, args.out_addr, args.drain_timeout)
+    worker.send(ready)
+    _say(ready)
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda s, f: worker.begin_shutdown(drain=True))
+    code = worker.run()
+    pull.close(linger=0)
+    push.close()
+    ctx.term()
+    return code
+
+
+if __name__ == "__main__":
+    sys.exit(main())
