@@ -212,6 +212,7 @@ def bench(cfg: BenchConfig) -> dict[str, Any]:
         device=cfg.device,
         skip_tokenizer_init=True,
         attention_backend=cfg.attention_backend,
+        gpu_memory_utilization=0.6,  # leaves room for the reference run in the same process
         max_num_seqs=cfg.concurrency,
         max_num_batched_tokens=cfg.max_num_batched_tokens,
         long_prefill_token_threshold=min(cfg.long_prefill_token_threshold, cfg.max_num_batched_tokens),

@@ -110,7 +110,7 @@ def _workload(vocab: int, seed: str, n: int = 32, **params) -> list[dict]:
 def _engine(path: str, backend: str, dtype: str, page_size: int, chunk: int, budget: int, pages: int | None):
     return LLMEngine(path, dtype=dtype, device="cuda", skip_tokenizer_init=True, attention_backend=backend,
                      page_size=page_size, long_prefill_token_threshold=chunk, max_num_batched_tokens=budget,
-                     num_kv_pages=pages, max_num_seqs=16)  # fmt: skip
+                     num_kv_pages=pages or 4096 // page_size, max_num_seqs=16)  # fmt: skip
 
 
 @pytest.mark.parametrize("backend", ["torch", "triton"])

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 import torch
 
 from rlt_serve.attention import RowSpec, get_attention_backend
-from rlt_serve.config import EngineConfig, ModelConfig, core_ring_slots
+from rlt_serve.config import ConfigError, EngineConfig, ModelConfig, core_ring_slots
 from rlt_serve.engine.kv_cache import KVCache
 from rlt_serve.engine.exit_criteria import exit_step, needs_distribution, new_exit_state, record_exit_depths
 from rlt_serve.engine.scheduler import Row, SchedulerOutput
@@ -79,7 +79,13 @@ class ModelRunner:
         if self.device.type == "cuda":
             free, total = torch.cuda.mem_get_info(self.device)
             budget = int(total * ec.gpu_memory_utilization) - (total - free) - _ACTIVATION_RESERVE
-        return max(1, budget // (per_token * ec.page_size))
+        pages = budget // (per_token * ec.page_size)
+        if pages < 1:
+            raise ConfigError(
+                f"no device memory left for the KV cache: gpu_memory_utilization={ec.gpu_memory_utilization} of "
+                f"{total >> 20} MiB with {free >> 20} MiB free (another engine in this process?); lower it or set num_kv_pages"
+            )
+        return pages
 
     def depth_slot(self, depth: int) -> int:
         """The KV slot a core row at `depth` reads and writes under the engine's layout."""
