@@ -10,6 +10,7 @@ receives characters that the cut would later take away.
 
 from __future__ import annotations
 
+from rlt_serve.engine.output_processor import find_stop_string
 from rlt_serve.tokenizer import IncrementalDetokenizer, Tokenizer
 
 
@@ -51,12 +52,7 @@ class TextStream:
             self.finished = True
 
     def _cut(self, new_chars: int) -> bool:
-        start = max(0, len(self.text) - new_chars - self._longest + 1)
-        best: tuple[int, str] | None = None
-        for s in self.stop:
-            i = self.text.find(s, start)
-            if i != -1 and (best is None or i < best[0]):
-                best = (i, s)
+        best = find_stop_string(self.text, self.stop, new_chars)
         if best is None:
             return False
         i, s = best

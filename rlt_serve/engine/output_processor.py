@@ -12,6 +12,22 @@ from rlt_serve.engine.sequence import Sequence, SequenceStatus
 from rlt_serve.outputs import CompletionOutput, RequestOutput
 
 
+def find_stop_string(text: str, stops: list[str], new_chars: int) -> tuple[int, str] | None:
+    """The earliest stop string that the last `new_chars` characters completed, as (index, stop).
+
+    Only the window a new piece of text can complete is searched, so a stop string that ended
+    earlier (e.g. before min_tokens allowed stopping) does not fire late. The router's streaming
+    text uses the same rule."""
+    longest = max(len(s) for s in stops)
+    start = max(0, len(text) - new_chars - longest + 1)
+    best: tuple[int, str] | None = None
+    for stop in stops:
+        idx = text.find(stop, start)
+        if idx != -1 and (best is None or idx < best[0]):
+            best = (idx, stop)
+    return best
+
+
 class OutputProcessor:
     def __init__(self, eos_token_ids: set[int], max_model_len: int, tokenizer=None) -> None:
         self.eos_token_ids = eos_token_ids
@@ -59,16 +75,10 @@ class OutputProcessor:
     @staticmethod
     def _check_stop_strings(seq: Sequence, new_chars: int) -> bool:
         p = seq.params
-        longest = max(len(s) for s in p.stop)
-        window_start = max(0, len(seq.text) - new_chars - longest + 1)
-        best: tuple[int, str] | None = None
-        for stop in p.stop:
-            idx = seq.text.find(stop, window_start)
-            if idx != -1 and (best is None or idx < best[0]):
-                best = (idx, stop)
-        if best is None:
+        hit = find_stop_string(seq.text, p.stop, new_chars)
+        if hit is None:
             return False
-        idx, stop = best
+        idx, stop = hit
         seq.text = seq.text[: idx + len(stop)] if p.include_stop_str_in_output else seq.text[:idx]
         seq.stop_reason = stop
         return True
