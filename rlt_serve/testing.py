@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import random
 from collections.abc import Iterator
 from typing import Any
 
@@ -338,3 +339,41 @@ def write_random_checkpoint(
     elif os.path.exists(gen_path):
         os.remove(gen_path)
     return model_dir
+
+
+def random_attention_call(
+    heads: int,
+    kv_heads: int,
+    head_dim: int,
+    page_size: int,
+    spans: list[tuple[int, int]],
+    seed: int = 0,
+    masked: bool = False,
+    num_pages: int | None = None,
+    depth_slots: int = 3,
+    dtype: torch.dtype = torch.float32,
+    device: torch.device | str = "cpu",
+):
+    """One core call's attention inputs for comparing backends: two identical KV pools with random
+    contents (layer 1 has `depth_slots` planes), rows (num_query, start) at random depths over
+    shuffled pages, q/k/v and, if `masked`, a random write mask. Returns (pools, rows, qkv, mask)."""
+    from rlt_serve.attention.backend import RowSpec
+    from rlt_serve.engine.kv_cache import KVCache
+
+    device = torch.device(device)
+    rng, gen = random.Random(seed), torch.Generator(device=device).manual_seed(seed)
+    if num_pages is None:
+        num_pages = sum(-(-(s + n) // page_size) for n, s in spans) + 8
+    pools = [KVCache([1, depth_slots, 1], num_pages, page_size, kv_heads, head_dim, dtype, device) for _ in range(2)]
+    pools[0].k.normal_(generator=gen)
+    pools[0].v.normal_(generator=gen)
+    pools[1].k.copy_(pools[0].k)
+    pools[1].v.copy_(pools[0].v)
+    free = list(range(num_pages))
+    rng.shuffle(free)
+    rows = [RowSpec(n, s, rng.randrange(depth_slots), [free.pop() for _ in range(-(-(s + n) // page_size))])
+            for n, s in spans]  # fmt: skip
+    t = sum(n for n, _ in spans)
+    q, k, v = (torch.randn(t, h, head_dim, generator=gen, device=device, dtype=dtype) for h in (heads, kv_heads, kv_heads))
+    mask = torch.rand(t, generator=gen, device=device) > 0.3 if masked else None
+    return pools, rows, (q, k, v), mask

@@ -8,18 +8,17 @@ the parts this project wrote. The real kernels are compared in tests/test_gpu.py
 
 from __future__ import annotations
 
-import random
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-from rlt_serve.attention.backend import RowSpec, get_attention_backend
+from rlt_serve.attention.backend import get_attention_backend
 from rlt_serve.attention.flash_backend import FlashAttentionBackend
 from rlt_serve.attention.torch_backend import TorchAttentionBackend
 from rlt_serve.config import ConfigError, EngineConfig
-from rlt_serve.engine.kv_cache import KVCache
 from rlt_serve.engine.llm_engine import LLMEngine
+from rlt_serve.testing import random_attention_call
 
 CPU = torch.device("cpu")
 
@@ -66,20 +65,10 @@ def fake_flash_varlen(q, k, v, cu_q, cu_k, max_q, max_k, softmax_scale=None, cau
 @pytest.mark.parametrize("paged", [False, True])
 @pytest.mark.parametrize("page_size,masked", [(1, False), (16, True), (4, True)])
 def test_flash_plumbing_matches_torch(paged, page_size, masked):
-    rng, gen = random.Random(0), torch.Generator().manual_seed(0)
-    heads, kv_heads, head_dim, num_pages = 6, 2, 16, 200 // page_size + 8
-    pools = [KVCache([1, 3, 1], num_pages, page_size, kv_heads, head_dim, torch.float32, CPU) for _ in range(2)]
-    pools[0].k.normal_(generator=gen)
-    pools[0].v.normal_(generator=gen)
-    pools[1].k.copy_(pools[0].k)
-    pools[1].v.copy_(pools[0].v)
-    free = list(range(num_pages))
-    rng.shuffle(free)
+    heads, kv_heads, head_dim = 6, 2, 16
     spans = [(1, 5), (7, 0), (1, 70), (20, 9), (3, 3)]
-    rows = [RowSpec(n, s, rng.randrange(3), [free.pop() for _ in range(-(-(s + n) // page_size))]) for n, s in spans]
-    t = sum(n for n, _ in spans)
-    q, k, v = (torch.randn(t, h, head_dim, generator=gen) for h in (heads, kv_heads, kv_heads))
-    mask = torch.rand(t, generator=gen) > 0.3 if masked else None
+    pools, rows, (q, k, v), mask = random_attention_call(heads, kv_heads, head_dim, page_size, spans, 0, masked,
+                                                         num_pages=200 // page_size + 8)  # fmt: skip
     ref, fa = TorchAttentionBackend(), FlashAttentionBackend(page_size, kernel=fake_flash_varlen, paged=paged)
     want = ref.forward(q, k, v, pools[0], 1, ref.prepare(rows, pools[0], mask), 0.3)  # layer 1: 3 depth slots
     got = fa.forward(q, k, v, pools[1], 1, fa.prepare(rows, pools[1], mask), 0.3)

@@ -28,36 +28,17 @@ os.environ["TRITON_INTERPRET"] = "1"
 # The interpreter reads loop bounds with int() of a one-element array, which numpy deprecates.
 pytestmark = pytest.mark.filterwarnings("ignore:Conversion of an array with ndim:DeprecationWarning")
 
-from rlt_serve.attention.backend import RowSpec, get_attention_backend
+from rlt_serve.attention.backend import get_attention_backend
 from rlt_serve.attention.torch_backend import TorchAttentionBackend
 from rlt_serve.attention.triton_backend import TritonAttentionBackend
-from rlt_serve.engine.kv_cache import KVCache
 from rlt_serve.engine.llm_engine import LLMEngine
 from rlt_serve.sampling_params import SamplingParams
+from rlt_serve.testing import random_attention_call
 
 
 def _random_call(heads, kv_heads, head_dim, page_size, spans, seed, masked):
-    """Two identical KV pools (random contents), rows at random depths over shuffled pages."""
-    rng, gen = random.Random(seed), torch.Generator().manual_seed(seed)
-    slots, num_pages = [1, 3, 1], 160 // page_size + 8
-    pools = [KVCache(slots, num_pages, page_size, kv_heads, head_dim, torch.float32, torch.device("cpu"))
-             for _ in range(2)]  # fmt: skip
-    pools[0].k.normal_(generator=gen)
-    pools[0].v.normal_(generator=gen)
-    pools[1].k.copy_(pools[0].k)
-    pools[1].v.copy_(pools[0].v)
-    free = list(range(num_pages))
-    rng.shuffle(free)
-    rows = []
-    for num_query, start in spans:
-        n = -(-(start + num_query) // page_size)
-        rows.append(RowSpec(num_query, start, rng.randrange(3), [free.pop() for _ in range(n)]))
-    t = sum(num_query for num_query, _ in spans)
-    q = torch.randn(t, heads, head_dim, generator=gen)
-    k = torch.randn(t, kv_heads, head_dim, generator=gen)
-    v = torch.randn(t, kv_heads, head_dim, generator=gen)
-    mask = torch.rand(t, generator=gen) > 0.3 if masked else None
-    return pools, rows, (q, k, v), mask
+    return random_attention_call(heads, kv_heads, head_dim, page_size, spans, seed, masked,
+                                 num_pages=160 // page_size + 8)  # fmt: skip
 
 
 # decode rows (1 token) and prompt spans (cached prefix + span) in one call
