@@ -16,11 +16,11 @@ import pytest
 import torch
 from test_engine_oracle import CONFIGS, _drive  # the CPU oracle's randomised workload
 
-from rlt_serve.attention.backend import RowSpec, _missing, get_attention_backend
-from rlt_serve.engine.kv_cache import KVCache
+from rlt_serve.attention.backend import _missing, get_attention_backend
 from rlt_serve.engine.llm_engine import LLMEngine
 from rlt_serve.reference import ReferenceModel
 from rlt_serve.sampling_params import SamplingParams
+from rlt_serve.testing import random_attention_call
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 CUDA = torch.device("cuda")
@@ -60,21 +60,10 @@ DECODE = [(1, 1000), (1, 300)]  # few programs, long contexts: the split-KV path
 @pytest.mark.parametrize("masked", [False, True])
 def test_backend_call_matches_torch(backend, dtype, heads, kv_heads, head_dim, page_size, spans, masked):
     _need(backend, dtype)
-    rng, gen = random.Random(0), torch.Generator(device=CUDA).manual_seed(0)
-    num_pages = 2000 // page_size + len(spans) + 2
-    pools = [KVCache([1, 4, 1], num_pages, page_size, kv_heads, head_dim, dtype, CUDA) for _ in range(2)]
-    pools[0].k.normal_(generator=gen)
-    pools[0].v.normal_(generator=gen)
-    pools[1].k.copy_(pools[0].k)
-    pools[1].v.copy_(pools[0].v)
-    free = list(range(num_pages))
-    rng.shuffle(free)
-    rows = [RowSpec(n, s, rng.randrange(4), [free.pop() for _ in range(-(-(s + n) // page_size))]) for n, s in spans]
-    t = sum(n for n, _ in spans)
-    q, k, v = (
-        torch.randn(t, h, head_dim, generator=gen, device=CUDA, dtype=dtype) for h in (heads, kv_heads, kv_heads)
+    pools, rows, (q, k, v), mask = random_attention_call(
+        heads, kv_heads, head_dim, page_size, spans, 0, masked, num_pages=2000 // page_size + len(spans) + 2,
+        depth_slots=4, dtype=dtype, device=CUDA,
     )
-    mask = (torch.rand(t, generator=gen, device=CUDA) > 0.3) if masked else None
     ref = get_attention_backend("torch", CUDA, dtype, page_size)
     other = get_attention_backend(backend, CUDA, dtype, page_size)
     want = ref.forward(q, k, v, pools[0], 1, ref.prepare(rows, pools[0], mask), head_dim**-0.5)
