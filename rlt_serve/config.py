@@ -294,6 +294,11 @@ class EngineConfig:
     speculative_draft_depth: int = 1  # loops a draft token runs before it is sampled
     speculative_adaptive: bool = False  # choose K (<= num_speculative_tokens) and depth online
     attention_backend: str = "auto"
+    # A fixed-depth decode token runs every loop in one step: no other row needs it mid-depth, and
+    # a whole token is one CUDA graph replay and one host read instead of one per loop.
+    fuse_decode_loops: bool = True
+    enforce_eager: bool = False  # vLLM's name: never capture CUDA graphs
+    cuda_graph_sizes: list[int] | None = None  # decode batch sizes captured; None: 1, 2, 4, 8, then every 8 to max_num_seqs
     max_logprobs: int = 20
     seed: int = 0
 
@@ -333,6 +338,10 @@ class EngineConfig:
         for name in ("page_size", "max_num_seqs", "max_num_batched_tokens", "long_prefill_token_threshold"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.cuda_graph_sizes is not None and (
+            not self.cuda_graph_sizes or any(not isinstance(b, int) or b < 1 for b in self.cuda_graph_sizes)
+        ):
+            raise ConfigError(f"cuda_graph_sizes must be a non-empty list of positive ints, got {self.cuda_graph_sizes}")
         if self.num_kv_pages is not None and self.num_kv_pages < 1:
             raise ConfigError(f"num_kv_pages must be >= 1, got {self.num_kv_pages}")
 

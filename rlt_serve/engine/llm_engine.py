@@ -44,7 +44,7 @@ class EngineStats:
     prefix_cache_queries: int = 0  # tokens
     prefix_cache_hits: int = 0  # tokens
     swap_used_bytes: int = 0
-    num_core_calls: int = 0
+    num_core_calls: int = 0  # core passes over a batch; a fused decode step counts each of its loops
     num_row_tokens: int = 0  # tokens over all rows of all core calls (one per token per depth)
     num_prompt_tokens: int = 0  # prompt tokens that finished their last depth
     num_generation_tokens: int = 0
@@ -53,6 +53,8 @@ class EngineStats:
     num_spec_draft_tokens: int = 0
     num_spec_accepted_tokens: int = 0
     exit_depth_counts: dict[int, int] = field(default_factory=dict)  # depth a token left the core -> tokens
+    num_fused_decode_steps: int = 0  # decode batches that ran every loop in one step
+    num_cuda_graph_replays: int = 0  # ... of which replayed a captured CUDA graph
     last_num_rows: int = 0
     last_num_depths: int = 0  # distinct depths in the last core call
     last_num_tokens: int = 0
@@ -255,11 +257,13 @@ class LLMEngine:
             return outputs
         result = self.runner.execute(sched)
         st = self._stats
-        st.num_core_calls += 1
+        st.num_core_calls += result.num_core_calls
         st.last_num_rows = len(sched.rows)
         st.last_num_depths = len({span.depth for _, span in sched.rows})
         st.last_num_tokens = sched.num_tokens
-        st.num_row_tokens += sched.num_tokens
+        st.num_row_tokens += result.num_core_tokens
+        st.num_fused_decode_steps += result.num_fused_decode
+        st.num_cuda_graph_replays += result.num_graph_replays
         for seq, span in self.scheduler.advance(sched):
             st.num_prompt_tokens += max(0, min(span.end, seq.num_prompt_tokens) - span.start)
         for d in result.exit_depths:

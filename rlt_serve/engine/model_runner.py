@@ -15,6 +15,7 @@ import torch
 
 from rlt_serve.attention import RowSpec, get_attention_backend
 from rlt_serve.config import ConfigError, EngineConfig, ModelConfig, core_ring_slots
+from rlt_serve.engine.cuda_graph import DecodeGraphs, graph_support
 from rlt_serve.engine.kv_cache import KVCache
 from rlt_serve.engine.exit_criteria import exit_step, needs_distribution, new_exit_state, record_exit_depths
 from rlt_serve.engine.scheduler import Row, SchedulerOutput
@@ -35,6 +36,25 @@ class RunnerOutput:
     exit_depths: list[int] = field(default_factory=list)  # depth at which each token left the core
     draft_logits: list[tuple[Sequence, torch.Tensor]] = field(default_factory=list)  # shallow [1, V]
     verify_logits: list[tuple[Sequence, torch.Tensor]] = field(default_factory=list)  # full depth [K, V]
+    num_core_calls: int = 0  # core passes over a batch (a fused decode step counts each loop)
+    num_core_tokens: int = 0  # row tokens over every core loop this step ran
+    num_fused_decode: int = 0  # batches of decode tokens that ran every loop in this step
+    num_graph_replays: int = 0  # ... of which replayed a CUDA graph
+
+    def merge(self, other: "RunnerOutput") -> None:
+        """Append `other` (rows disjoint from this output's) to this output."""
+        if other.sample_seqs:
+            logits = other.sample_logits
+            self.sample_logits = logits if self.sample_logits is None else torch.cat([self.sample_logits, logits])
+            self.sample_seqs += other.sample_seqs
+        self.prompt_logits += other.prompt_logits
+        self.exit_depths += other.exit_depths
+        self.draft_logits += other.draft_logits
+        self.verify_logits += other.verify_logits
+        self.num_core_calls += other.num_core_calls
+        self.num_core_tokens += other.num_core_tokens
+        self.num_fused_decode += other.num_fused_decode
+        self.num_graph_replays += other.num_graph_replays
 
 
 class ModelRunner:
@@ -69,6 +89,10 @@ class ModelRunner:
             device=device,
         )
         self.backend = get_attention_backend(engine_config.attention_backend, device, dtype, engine_config.page_size)
+        self.graphs: DecodeGraphs | None = None
+        self.graphs_disabled = graph_support(self)  # None when decode steps are captured
+        if self.graphs_disabled is None:
+            self.graphs = DecodeGraphs(self, model_config.num_loops)
 
     def _num_pages(self) -> int:
         ec, mc = self.engine_config, self.model_config
@@ -117,20 +141,76 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput) -> RunnerOutput:
-        rows, model, dev = sched.rows, self.model, self.device
+        """One step: fixed-depth decode tokens run all their loops (`fuse_decode_loops`), every
+        other row one loop at its own depth."""
+        fused = [row for row in sched.rows if self._fusable(row)] if self.engine_config.fuse_decode_loops else []
+        if not fused:
+            return self._execute_loop(sched.rows)
+        in_fused = {id(span) for _, span in fused}
+        rest = [row for row in sched.rows if id(row[1]) not in in_fused]
+        out = RunnerOutput()
+        for loops in sorted({seq.num_loops for seq, _ in fused}):
+            out.merge(self._decode_tokens([row for row in fused if row[0].num_loops == loops], loops))
+        if rest:
+            out.merge(self._execute_loop(rest))
+        return out
+
+    @staticmethod
+    def _fusable(row: Row) -> bool:
+        seq, span = row
+        return (
+            span.kind == "normal" and span.depth == 0 and span.num_tokens == 1 and span.stop_depth is None
+            and seq.decoding and not seq.adaptive
+        )  # fmt: skip
+
+    def _decode_tokens(self, rows: list[Row], loops: int) -> RunnerOutput:
+        """Decode tokens through every loop: one graph replay, or the same stages run eagerly."""
+        logits = self.graphs.run(rows, loops) if self.graphs is not None else None
+        for _, span in rows:
+            span.depth, span.finished = loops - 1, True  # the scheduler's advance() retires them
+        if logits is not None:
+            if self.fills_deeper_slots:
+                self._fill_deeper_slots([(seq, span, torch.ones(1, dtype=torch.bool, device=self.device)) for seq, span in rows])
+            out = RunnerOutput([seq for seq, _ in rows], logits, exit_depths=[loops - 1] * len(rows))
+            out.num_graph_replays = 1
+        else:
+            self._prelude(rows)
+            positions = self._positions(rows, self.device)
+            hidden = torch.cat([span.hidden for _, span in rows])
+            injected = torch.cat([span.injected for _, span in rows]) if rows[0][1].injected is not None else None
+            for depth in range(loops):
+                for _, span in rows:
+                    span.depth = depth
+                hidden = self.model.core(hidden, injected, positions, self._context(rows, core=True)).hidden
+            for (_, span), h in zip(rows, self._split(rows, hidden)):
+                span.hidden = h
+            if self.fills_deeper_slots:
+                self._fill_deeper_slots([(seq, span, torch.ones(1, dtype=torch.bool, device=self.device)) for seq, span in rows])
+            out = self._coda(rows)
+        out.num_core_calls, out.num_core_tokens = loops, len(rows) * loops
+        out.num_fused_decode = 1
+        return out
+
+    def _prelude(self, starting: list[Row]) -> None:
+        """Embed spans entering depth 0: their state (and Huginn's injection) goes on the span."""
+        model, dev = self.model, self.device
+        ids = [t for seq, span in starting for t in seq.token_ids(span.start, span.end)]
+        ctx = self._context(starting, core=False) if model.prelude_attention else None
+        positions = self._positions(starting, dev)
+        pre = model.prelude(torch.tensor(ids, dtype=torch.long, device=dev), positions, ctx)
+        seeds = [s for seq, span in starting for s in [seq.generator.initial_seed()] * span.num_tokens]
+        state = model.initial_state(pre, seeds, positions)
+        injected = self._split(starting, pre.injected) if pre.injected is not None else [None] * len(starting)
+        for (seq, span), h, e in zip(starting, self._split(starting, state), injected):
+            span.hidden, span.injected = h, e
+            if seq.adaptive:
+                span.exit = new_exit_state(seq, span, h)
+
+    def _execute_loop(self, rows: list[Row]) -> RunnerOutput:
+        model, dev = self.model, self.device
         starting = [(seq, span) for seq, span in rows if span.depth == 0]
         if starting:
-            ids = [t for seq, span in starting for t in seq.token_ids(span.start, span.end)]
-            ctx = self._context(starting, core=False) if model.prelude_attention else None
-            positions = self._positions(starting, dev)
-            pre = model.prelude(torch.tensor(ids, dtype=torch.long, device=dev), positions, ctx)
-            seeds = [s for seq, span in starting for s in [seq.generator.initial_seed()] * span.num_tokens]
-            state = model.initial_state(pre, seeds, positions)
-            injected = self._split(starting, pre.injected) if pre.injected is not None else [None] * len(starting)
-            for (seq, span), h, e in zip(starting, self._split(starting, state), injected):
-                span.hidden, span.injected = h, e
-                if seq.adaptive:
-                    span.exit = new_exit_state(seq, span, h)
+            self._prelude(starting)
         hidden = torch.cat([span.hidden for _, span in rows])
         injected = torch.cat([span.injected for _, span in rows]) if rows[0][1].injected is not None else None
         core = model.core(hidden, injected, self._positions(rows, dev), self._context(rows, core=True))
@@ -153,7 +233,9 @@ class ModelRunner:
             self._decide_exits(rows, adaptive)
         if self.fills_deeper_slots:
             self._fill_deeper_slots(fills)
-        return self._coda([(seq, span) for seq, span in rows if span.finished])
+        out = self._coda([(seq, span) for seq, span in rows if span.finished])
+        out.num_core_calls, out.num_core_tokens = 1, sum(span.num_tokens for _, span in rows)
+        return out
 
     def _check_logits(self, rows: list[Row], hidden: torch.Tensor) -> dict[int, torch.Tensor]:
         """Next-token logits [V] of each row whose exit criterion reads the distribution at this

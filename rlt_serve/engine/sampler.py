@@ -46,11 +46,19 @@ class Sampler:
     def __call__(
         self, logits: torch.Tensor, seqs: list[Sequence], tokens: list[int] | None = None
     ) -> list[SampleResult]:
-        """Sample one token per row, or, given `tokens`, only report their logprobs."""
+        """Sample one token per row, or, given `tokens`, only report their logprobs.
+
+        The draws stay on the device and the tokens come back with their logprobs in one host
+        read, so a decode step waits on the device once however many rows it samples."""
         raw = torch.log_softmax(logits, dim=-1)
         if tokens is None:
-            tokens = [self.race(self.probs(logits[i], seq), seq) for i, seq in enumerate(seqs)]
-        chosen = raw.gather(1, torch.tensor(tokens, device=raw.device)[:, None]).squeeze(1).tolist()
+            picked = self._draw(logits, seqs)
+        else:
+            picked = torch.tensor(tokens, device=raw.device)
+        chosen_t = raw.gather(1, picked[:, None]).squeeze(1)
+        # One read: token ids are exact in float64.
+        tokens_f, chosen = torch.stack([picked.to(torch.float64), chosen_t.to(torch.float64)]).tolist()
+        tokens = [int(t) for t in tokens_f]
         k = max((s.params.logprobs or 0) for s in seqs)
         need = any(s.params.logprobs is not None for s in seqs)
         tables = top_logprobs(raw, tokens, k) if need else [None] * len(seqs)
@@ -62,6 +70,26 @@ class Sampler:
                 table = {t: lp for t, lp in tables[i].items() if t == tokens[i] or lp.rank <= keep}
             results.append(SampleResult(tokens[i], chosen[i], table))
         return results
+
+    def _draw(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+        """[n] token ids on the device: argmax for plain greedy rows in one launch, and for the
+        others the same per-request exponential race as `race`, so the RNG stream is unchanged."""
+        greedy_plain = [
+            p.greedy and len(s.output_token_ids) >= p.min_tokens for s, p in ((s, s.params) for s in seqs)
+        ]
+        out = logits.argmax(dim=-1)
+        if all(greedy_plain):
+            return out
+        for i, seq in enumerate(seqs):
+            if greedy_plain[i]:
+                continue
+            probs = self.probs(logits[i], seq)
+            if seq.params.greedy:
+                out[i] = probs.argmax()
+            else:
+                noise = torch.empty_like(probs).exponential_(generator=seq.generator)
+                out[i] = (probs / noise).argmax()
+        return out
 
     def probs(self, row: torch.Tensor, seq: Sequence, extra_outputs: int = 0) -> torch.Tensor:
         """The distribution a token is drawn from: min_tokens masks, then temperature, top-k,

@@ -31,9 +31,12 @@ class RotaryEmbedding:
         # Built on the CPU explicitly: models are constructed under the meta device.
         exponent = torch.arange(0, head_dim, 2, dtype=torch.int64, device="cpu").float() / head_dim
         self.inv_freq = 1.0 / (theta**exponent)
+        self._on_device: dict[torch.device, torch.Tensor] = {}  # no host copy per call (CUDA graphs)
 
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        inv = self.inv_freq.to(positions.device)
+        inv = self._on_device.get(positions.device)
+        if inv is None:
+            inv = self._on_device[positions.device] = self.inv_freq.to(positions.device)
         freqs = positions.float()[:, None] * inv[None, :]
         emb = torch.cat((freqs, freqs), dim=-1)
         return emb.cos().to(dtype)[:, None, :], emb.sin().to(dtype)[:, None, :]

@@ -1,0 +1,161 @@
+"""CUDA graphs of whole decode tokens: embedding, every loop of the core, and the head.
+
+A fixed-depth decode step launches the same kernels for every token (24 layers x 4 loops x about
+a dozen kernels for Ouro-1.4B); at small batches their CPU launch cost, not the device, sets the
+step time. So each step of decode tokens is one graph replay, captured per batch size (vLLM's
+`cuda_graph_sizes`): the smallest captured size that holds the batch runs, its padding rows have
+no query and write no KV. A graph reads its inputs from fixed device addresses, so every input
+(token ids, positions, KV slots, per-depth row records, page tables) lives in one int32 device
+buffer, filled from one pinned host buffer by a single non-blocking copy per step.
+
+Only the Triton backend takes all of its per-call metadata from device tensors, and only families
+without attention outside the core (Ouro, Nanbeige4.2) have a prelude that is a pure function of
+the token ids, so graphs are captured for those; other configurations run the same fused step
+eagerly, and `graph_support` says why.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from typing import TYPE_CHECKING
+
+import numpy as np
+import torch
+
+from rlt_serve.attention.backend import AttentionMetadata
+from rlt_serve.models.base import LoopedModel
+from rlt_serve.models.layers import CoreContext
+
+if TYPE_CHECKING:
+    from rlt_serve.engine.model_runner import ModelRunner
+    from rlt_serve.engine.scheduler import Row
+
+
+def graph_support(runner: "ModelRunner") -> str | None:
+    """None when decode steps of this runner are captured as CUDA graphs, else why not."""
+    ec, model = runner.engine_config, runner.model
+    if runner.device.type != "cuda":
+        return "not a CUDA device"
+    if ec.enforce_eager:
+        return "enforce_eager=True"
+    if not ec.fuse_decode_loops:
+        return "fuse_decode_loops=False (a decode token's loops run in separate steps)"
+    if runner.backend.name != "triton":
+        return f"attention backend {runner.backend.name!r} builds per-call metadata on the host (graphs need triton)"
+    if model.prelude_attention or model.coda_attention or type(model).initial_state is not LoopedModel.initial_state:
+        return f"{runner.model_config.model_type}: prelude/coda attention or a seeded initial state"
+    return None
+
+
+def default_sizes(max_num_seqs: int) -> list[int]:
+    """1, 2, 4, 8, then every 8 up to max_num_seqs (and max_num_seqs itself), as vLLM does."""
+    sizes = [b for b in (1, 2, 4) if b < max_num_seqs] + list(range(8, max_num_seqs, 8)) + [max_num_seqs]
+    return sorted(set(sizes))
+
+
+class DecodeGraphs:
+    """Captured decode steps of `num_loops` loops, one graph per batch size."""
+
+    def __init__(self, runner: "ModelRunner", num_loops: int) -> None:
+        ec, mc = runner.engine_config, runner.model_config
+        self.runner = runner
+        self.num_loops = num_loops
+        self.sizes = sorted(set(ec.cuda_graph_sizes or default_sizes(ec.max_num_seqs)))
+        ps = runner.kv.page_size
+        max_len = min(ec.max_model_len or mc.max_position_embeddings, runner.kv.num_pages * ps)
+        self.width = math.ceil(max_len / ps)  # page-table entries per row
+        b_max, d = self.sizes[-1], num_loops
+        fields = {"ids": b_max, "pos": b_max, "slot": b_max, "mask": b_max, "tiles": 2 * b_max,
+                  "rows": d * b_max * 4, "depth": d * b_max, "table": b_max * self.width}  # fmt: skip
+        self.off: dict[str, int] = {}
+        total = 0
+        for name, n in fields.items():
+            self.off[name] = total
+            total += n
+        self.host = torch.zeros(total, dtype=torch.int32, pin_memory=True)
+        self.np = self.host.numpy()
+        self._rows_np = self._host_view("rows", d * b_max * 4).reshape(d, b_max, 4)
+        self._table_np = self._host_view("table", b_max * self.width).reshape(b_max, self.width)
+        # Constant fields: row i is tile i (one query each) and at loop t reads depth slot slot(t).
+        self._host_view("tiles", 2 * b_max).reshape(b_max, 2)[:, 0] = np.arange(b_max)
+        self._rows_np[:, :, 0] = np.arange(b_max)[None, :]
+        for t in range(d):
+            self._rows_np[t, :, 3] = runner.depth_slot(t)
+            self._host_view("depth", d * b_max).reshape(d, b_max)[t] = runner.depth_slot(t)
+        self.dev = self.host.to(runner.device)
+        self._copied = torch.cuda.Event()
+        self._copied.record()
+        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.pool = torch.cuda.graph_pool_handle()
+        t0 = time.perf_counter()
+        with torch.inference_mode():
+            for b in reversed(self.sizes):  # largest first: smaller graphs reuse its pool memory
+                self._capture(b)
+        self.capture_seconds = time.perf_counter() - t0
+
+    def _host_view(self, name: str, n: int) -> np.ndarray:
+        return self.np[self.off[name] : self.off[name] + n]
+
+    def _dev_view(self, name: str, n: int) -> torch.Tensor:
+        return self.dev[self.off[name] : self.off[name] + n]
+
+    def _forward(self, b: int) -> torch.Tensor:
+        """The step the graph records: logits [b, V] of b decode tokens after every loop."""
+        runner, b_max, d = self.runner, self.sizes[-1], self.num_loops
+        model, kv = runner.model, runner.kv
+        ids, pos = self._dev_view("ids", b), self._dev_view("pos", b)
+        slot, mask = self._dev_view("slot", b), self._dev_view("mask", b)
+        tiles = self._dev_view("tiles", 2 * b_max).view(b_max, 2)[:b]
+        rows = self._dev_view("rows", d * b_max * 4).view(d, b_max, 4)
+        depth = self._dev_view("depth", d * b_max).view(d, b_max)
+        table = self._dev_view("table", b_max * self.width).view(b_max, self.width)[:b]
+        from rlt_serve.attention.triton_backend import TritonCallData
+
+        group_p = 1 << max(0, runner.model_config.num_attention_heads // runner.model_config.num_key_value_heads - 1).bit_length()
+        tok_ms = {max(1, 16 // group_p), max(1, 64 // group_p)}  # whichever tile height the backend picks
+        pre = model.prelude(ids, pos, None)
+        hidden = pre.hidden
+        for t in range(d):
+            data = TritonCallData(
+                rows=rows[t, :b], table=table, write_mask=mask, num_query=[1] * b,
+                max_end=self.width * kv.page_size, tiles={m: (tiles, b) for m in tok_ms},
+            )  # fmt: skip
+            meta = AttentionMetadata(rows=[], query_start=[], slot_mapping=slot, token_depth_slot=depth[t, :b], extra=data)
+            hidden = model.core(hidden, pre.injected, pos, CoreContext(runner.backend, kv, meta)).hidden
+        return model.compute_logits(model.coda(hidden, None, None))
+
+    def _capture(self, b: int) -> None:
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):  # compile the kernels and warm cuBLAS outside the graph
+            self._forward(b)
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool):
+            out = self._forward(b)
+        self.graphs[b] = (graph, out)
+
+    def run(self, rows: list["Row"], num_loops: int) -> torch.Tensor | None:
+        """Logits [len(rows), V] of one decode step, or None when no graph fits the batch."""
+        n = len(rows)
+        if num_loops != self.num_loops or n > self.sizes[-1]:
+            return None
+        b = next(s for s in self.sizes if s >= n)
+        ps, off, host = self.runner.kv.page_size, self.off, self.np
+        self._copied.synchronize()  # the previous step's copy has left the host buffer
+        positions = [span.start for _, span in rows]
+        tables = [seq.page_table for seq, _ in rows]
+        host[off["ids"] : off["ids"] + n] = [(seq.output_token_ids or seq.prompt_token_ids)[-1] for seq, _ in rows]
+        host[off["pos"] : off["pos"] + b] = positions + [0] * (b - n)
+        host[off["slot"] : off["slot"] + b] = [pt[p // ps] * ps + p % ps for pt, p in zip(tables, positions)] + [0] * (b - n)
+        host[off["mask"] : off["mask"] + b] = [1] * n + [0] * (b - n)
+        self._rows_np[:, :b, 1] = [1] * n + [0] * (b - n)
+        self._rows_np[:, :b, 2] = positions + [0] * (b - n)
+        for i, pt in enumerate(tables):
+            self._table_np[i, : len(pt)] = pt
+        self.dev.copy_(self.host, non_blocking=True)
+        self._copied.record()
+        graph, out = self.graphs[b]
+        graph.replay()
+        return out[:n]
