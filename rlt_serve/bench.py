@@ -17,6 +17,7 @@ each decode step at the weight-read floor.
 
 from __future__ import annotations
 
+import copy
 import math
 import random
 import statistics
@@ -133,6 +134,8 @@ class BenchConfig:
     long_prefill_token_threshold: int = 2048
     num_kv_pages: int | None = None
     num_loops: int | None = None
+    enforce_eager: bool = False
+    prefill_tokens: int = 0  # also time one prompt batch of at least this many tokens (0: skip)
     reference: bool = True
     reference_runs: int = 1
     seed: int = 0
@@ -196,6 +199,65 @@ def run_reference_once(model_dir: str, dtype: torch.dtype, device: torch.device,
     return time.perf_counter() - t0, ref
 
 
+def count_decode_syncs(
+    engine: Any, batch: int, vocab: int, steps: int = 8, sites: dict[str, int] | None = None
+) -> float | None:
+    """Host synchronisations per steady-state decode step (CUDA only), counted by torch's sync
+    debug mode, which warns at every synchronising call (a device-to-host read, an explicit sync)."""
+    import warnings
+
+    from rlt_serve.sampling_params import SamplingParams
+
+    if engine.device.type != "cuda":
+        return None
+    params = SamplingParams(temperature=0.0, max_tokens=4 * steps, ignore_eos=True, detokenize=False)
+    for i, p in enumerate(_prompts(batch, 16, vocab, 4242)):
+        engine.add_request(f"sync-{i}", p, params)
+    while any(not s.decoding for s in engine.scheduler.running) or engine.scheduler.waiting:
+        engine.step()
+    torch.cuda.synchronize()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            for _ in range(steps):
+                engine.step()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    engine.abort_request([f"sync-{i}" for i in range(batch)])
+    while engine.has_unfinished_requests():
+        engine.step()
+    found = [w for w in caught if "synchroniz" in str(w.message)]
+    if sites is not None:
+        for w in found:
+            key = f"{w.filename}:{w.lineno}"
+            sites[key] = sites.get(key, 0) + 1
+    return len(found) / steps
+
+
+def run_prefill_once(engine: Any, roof: "Roofline", tokens: int, input_len: int, vocab: int) -> dict[str, float]:
+    """Time one batch of prompts totalling at least `tokens` (one output token each): the FLOP
+    rate it reached against the peak matmul rate."""
+    from rlt_serve.sampling_params import SamplingParams
+
+    n = math.ceil(tokens / input_len)
+    params = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True, detokenize=False)
+    times = []
+    for r in range(2):  # the first compiles any new shapes
+        prompts = _prompts(n, input_len, vocab, 777 + r)
+        _sync(engine.device)
+        t0 = time.perf_counter()
+        for i, p in enumerate(prompts):
+            engine.add_request(f"prefill{r}-{i}", p, params)
+        while engine.has_unfinished_requests():
+            engine.step()
+        _sync(engine.device)
+        times.append(time.perf_counter() - t0)
+    flops = n * roof.prefill_flops(input_len)
+    return {"tokens": n * input_len, "seconds": times[-1], "tflops": flops / times[-1] / 1e12,
+            "fraction_of_peak": flops / times[-1] / roof.flops}
+
+
 def _median(xs: list[float]) -> float:
     return statistics.median(xs) if xs else float("nan")
 
@@ -219,13 +281,17 @@ def bench(cfg: BenchConfig) -> dict[str, Any]:
         num_kv_pages=cfg.num_kv_pages,
         max_model_len=cfg.input_len + cfg.output_len + 1,
         max_loops=max(cfg.num_loops, checkpoint_loops) if cfg.num_loops else None,
+        enforce_eager=cfg.enforce_eager,
     )
     mc = engine.model_config
     loops = cfg.num_loops or mc.num_loops
     roof = Roofline.from_checkpoint(cfg.model, mc, engine.dtype, loops, bandwidth=cfg.peak_bandwidth,
                                     flops=cfg.peak_flops)  # fmt: skip
     runs: list[RunResult] = []
+    before = None
     for r in range(cfg.warmup + cfg.runs):
+        if r == cfg.warmup:
+            before = copy.deepcopy(engine.stats())
         # A warm-up compiles kernels and grows the allocator: one wave of the same shapes, with few
         # output tokens, is enough and keeps the bench short.
         warm = r < cfg.warmup
@@ -244,6 +310,21 @@ def bench(cfg: BenchConfig) -> dict[str, Any]:
         "runs": [asdict(r) | {"output_tps": r.output_tps} for r in runs],
     }
     result |= _summary(cfg, roof, runs, n_prompts)
+    after = engine.stats()
+    fused = after.num_fused_decode_steps - before.num_fused_decode_steps
+    result["graphs"] = {
+        "sizes": engine.runner.graphs.sizes if engine.runner.graphs is not None else [],
+        "disabled": engine.runner.graphs_disabled,
+        "fused_decode_steps": fused,
+        "replays": after.num_cuda_graph_replays - before.num_cuda_graph_replays,
+        "core_calls": after.num_core_calls - before.num_core_calls,
+    }
+    sites: dict[str, int] = {}
+    result["host_syncs_per_decode_step"] = count_decode_syncs(engine, min(n_prompts, cfg.concurrency), mc.vocab_size,
+                                                              sites=sites)  # fmt: skip
+    result["host_sync_sites"] = sites
+    if cfg.prefill_tokens:
+        result["prefill"] = run_prefill_once(engine, roof, cfg.prefill_tokens, cfg.input_len, mc.vocab_size)
     if cfg.reference:
         prompt = _prompts(1, cfg.input_len, mc.vocab_size, cfg.seed * 1000 + 999)[0]
         ref, times = None, []
@@ -321,6 +402,20 @@ def render(res: dict[str, Any]) -> str:
     row("output tok/s (issue ceiling)", m["output_tps"], f["ceiling_tps_weights"], False)
     row("output tok/s (ceiling with KV)", m["output_tps"], f["ceiling_tps_weights_kv"], False)
     lines.append(f"{'wall s (median)':<34}{m['wall_s']:>12.4g}")
+    g = res.get("graphs")
+    if g:
+        hit = g["replays"] / g["fused_decode_steps"] if g["fused_decode_steps"] else float("nan")
+        why = f" (none: {g['disabled']})" if g["disabled"] else f" sizes {g['sizes'][0]}..{g['sizes'][-1]}"
+        lines.append(f"{'CUDA-graph hit rate (decode steps)':<34}{hit:>12.1%}   {g['replays']}/{g['fused_decode_steps']}{why}")
+    if res.get("host_syncs_per_decode_step") is not None:
+        where = ", ".join(f"{k.rsplit('/', 1)[-1]} x{v}" for k, v in res.get("host_sync_sites", {}).items())
+        lines.append(f"{'host syncs per decode step':<34}{res['host_syncs_per_decode_step']:>12.3g}   {where}")
+    if "prefill" in res:
+        p = res["prefill"]
+        lines.append(
+            f"{'prefill TFLOP/s (' + str(p['tokens']) + ' tokens)':<34}{p['tflops']:>12.4g}"
+            f"{cfg['peak_flops'] / 1e12:>16.4g}{p['fraction_of_peak']:>10.1%}"
+        )
     if "reference" in res:
         ref = res["reference"]
         lines.append(

@@ -105,6 +105,9 @@ def _add_tools(sub: Any) -> None:
     b.add_argument("--seed", type=int, default=0)
     b.add_argument("--peak-flops", type=float, default=H200_BF16_FLOPS)
     b.add_argument("--peak-bandwidth", type=float, default=H200_BANDWIDTH)
+    b.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs (vLLM's flag)")
+    b.add_argument("--prefill-tokens", type=int, default=0,
+                   help="also time one prompt batch of at least this many tokens (prefill FLOP rate)")
     b.add_argument("--json", default=None, help="also write the measurements as JSON here")
     b.set_defaults(func=cmd_bench)
 

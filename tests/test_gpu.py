@@ -156,3 +156,85 @@ def test_engine_bf16_logprobs_match_torch(tmp_checkpoint, backend, family):
         assert max((abs(a - b) for a, b in zip(prompt, g_prompt)), default=0.0) < 0.05, rid
         same = next((i for i, (a, b) in enumerate(zip(tokens, g_tokens)) if a != b), len(tokens))
         assert max((abs(a - b) for a, b in zip(logprobs[: same + 1], g_logprobs[: same + 1])), default=0.0) < 0.05
+
+
+# -- CUDA graphs of decode steps ----------------------------------------------------------------
+def _steady_decode(path: str, dtype: str, concurrency: int, **kw) -> tuple[dict[str, list[int]], LLMEngine]:
+    engine = LLMEngine(path, dtype=dtype, device="cuda", skip_tokenizer_init=True, attention_backend="triton",
+                       max_num_seqs=concurrency, num_kv_pages=2048, **kw)  # fmt: skip
+    rng = random.Random(concurrency)
+    for i in range(2 * concurrency):
+        prompt = [rng.randrange(3, 300) for _ in range(rng.randint(1, 60))]
+        engine.add_request(f"r{i}", prompt, SamplingParams(temperature=0.0, max_tokens=rng.randint(8, 24),
+                                                           ignore_eos=True, logprobs=0))  # fmt: skip
+    out: dict[str, list] = {}
+    while engine.has_unfinished_requests():
+        for o in engine.step():
+            if o.finished:
+                c = o.outputs[0]
+                out[o.request_id] = (c.token_ids, [t[tok].logprob for t, tok in zip(c.logprobs, c.token_ids)])
+    assert engine.num_free_pages == engine.num_pages
+    return out, engine
+
+
+@pytest.mark.parametrize("family", ["ouro", "nanbeige", "huginn"])
+@pytest.mark.parametrize("concurrency", [1, 8, 32])
+def test_cuda_graph_decode_matches_eager(tmp_checkpoint, family, concurrency):
+    """Graph replays give the eager fused step's tokens and logprobs, and (over a workload with
+    arrivals and finishes) at least 95% of decode steps replay a graph."""
+    _need("triton", torch.float32)
+    path = tmp_checkpoint(family, seed=7, **SHAPES.get(family, {}))
+    graphed, engine = _steady_decode(path, "float32", concurrency)
+    eager, _ = _steady_decode(path, "float32", concurrency, enforce_eager=True)
+    st = engine.stats()
+    assert engine.runner.graphs is not None
+    assert st.num_cuda_graph_replays >= 0.95 * st.num_fused_decode_steps > 0
+    assert graphed.keys() == eager.keys()
+    for rid, (tokens, logprobs) in eager.items():
+        assert graphed[rid][0] == tokens, rid
+        assert max(abs(a - b) for a, b in zip(graphed[rid][1], logprobs)) < 1e-4
+
+
+def test_decode_step_host_syncs(tmp_checkpoint):
+    """Steady-state decode: at most one host synchronisation per step (the sampled tokens)."""
+    from rlt_serve.bench import count_decode_syncs
+
+    path = tmp_checkpoint("ouro", seed=7, **SHAPES["ouro"])
+    engine = LLMEngine(path, dtype="bfloat16", device="cuda", skip_tokenizer_init=True, attention_backend="triton",
+                       max_num_seqs=8, num_kv_pages=512)  # fmt: skip
+    sites: dict[str, int] = {}
+    syncs = count_decode_syncs(engine, 8, 300, sites=sites)
+    assert syncs is not None and syncs <= 1.0, (syncs, sites)
+    assert engine.num_free_pages == engine.num_pages
+
+
+def test_fused_ops_bf16_match_torch():
+    """The compiled fused kernels round where the torch ops do: bf16 results within one bf16 ulp."""
+    from types import SimpleNamespace
+
+    from rlt_serve.models import fused_ops
+
+    _need("triton", torch.bfloat16)
+    g = torch.Generator(device="cuda").manual_seed(0)
+    bf = dict(device="cuda", dtype=torch.bfloat16)
+    x, res = torch.randn(300, 2048, generator=g, **bf), torch.randn(300, 2048, generator=g, **bf)
+    pre, post = (SimpleNamespace(weight=torch.randn(2048, generator=g, **bf), eps=1e-6) for _ in range(2))
+    h, y = fused_ops.add_rms_norm(x, res, pre, post)
+    want_h = res + fused_ops.rms_norm_torch(x, pre.weight, pre.eps)
+    want_y = fused_ops.rms_norm_torch(want_h, post.weight, post.eps)
+    # The fp32 sum of squares is reduced in another order: a rounding boundary may move one ulp.
+    for got, want in ((h, want_h), (y, want_y)):
+        ulp = (want.float().abs() * 2**-7).clamp_min(2**-126)
+        worst = ((got.float() - want.float()).abs() / ulp).max().item()
+        assert worst <= 1.0, worst
+    qkv = torch.randn(300, 3 * 16 * 128, generator=g, **bf)
+    q, k, _ = qkv.split(16 * 128, dim=-1)
+    q, k = q.view(300, 16, 128), k.view(300, 16, 128)
+    cos, sin = torch.randn(300, 1, 128, generator=g, **bf), torch.randn(300, 1, 128, generator=g, **bf)
+    want_q, want_k = fused_ops.rope_torch(q, cos, sin), fused_ops.rope_torch(k, cos, sin)
+    got_q, got_k = fused_ops.rope(q, k, cos, sin)
+    assert torch.equal(got_q, want_q), (got_q.float() - want_q.float()).abs().max()
+    assert torch.equal(got_k, want_k)
+    gu = torch.randn(300, 2 * 5632, generator=g, **bf)
+    got, want = fused_ops.silu_mul(gu).float(), (torch.nn.functional.silu(gu[:, :5632]) * gu[:, 5632:]).float()
+    assert ((got - want).abs() / (want.abs() * 2**-7).clamp_min(2**-126)).max().item() <= 1.0

@@ -98,3 +98,32 @@ def test_engine_greedy_triton_matches_torch(tmp_checkpoint):
     for rid, (tokens, logprobs) in want.items():
         assert got[rid][0] == tokens, rid
         assert max(abs(a - b) for a, b in zip(got[rid][1], logprobs)) < 1e-4
+
+
+# -- fused elementwise ops of the decoder layer ---------------------------------------------------
+def test_fused_ops_match_torch():
+    from types import SimpleNamespace
+
+    from rlt_serve.models import fused_ops
+
+    g = torch.Generator().manual_seed(0)
+    x, res = torch.randn(5, 40, generator=g), torch.randn(5, 40, generator=g)
+    pre = SimpleNamespace(weight=torch.randn(40, generator=g), eps=1e-6)
+    post = SimpleNamespace(weight=torch.randn(40, generator=g), eps=1e-5)
+    for p, r, q in [(None, None, post), (pre, res, post), (None, res, post), (pre, res, None)]:
+        h, y = fused_ops._add_norm_triton(x, r, p, q)
+        t = fused_ops.rms_norm_torch(x, p.weight, p.eps) if p else x
+        want_h = r + t if r is not None else x
+        torch.testing.assert_close(h, want_h)
+        if q is not None:
+            torch.testing.assert_close(y, fused_ops.rms_norm_torch(want_h, q.weight, q.eps))
+    qkv = torch.randn(3, (4 + 2 + 2) * 16, generator=g)  # strided views of one fused projection
+    q, k, _ = qkv.split([64, 32, 32], dim=-1)
+    q, k = q.view(3, 4, 16), k.view(3, 2, 16)
+    cos, sin = torch.randn(3, 1, 16, generator=g), torch.randn(3, 1, 16, generator=g)
+    want_q, want_k = fused_ops.rope_torch(q, cos, sin), fused_ops.rope_torch(k, cos, sin)
+    got_q, got_k = fused_ops._rope_triton(q, k, cos, sin)
+    torch.testing.assert_close(got_q, want_q)
+    torch.testing.assert_close(got_k, want_k)
+    gu = torch.randn(4, 2 * 24, generator=g)
+    torch.testing.assert_close(fused_ops._silu_mul_triton(gu), torch.nn.functional.silu(gu[:, :24]) * gu[:, 24:])

@@ -276,6 +276,7 @@ def main(argv: list[str] | None = None) -> int:
         push.close()
         ctx.term()
         return 1
+    print(f"worker {wid}: {engine.kv_capacity_report()}", file=sys.stderr, flush=True)
     ready = Ready(
         worker_id=wid,
         role=args.role,

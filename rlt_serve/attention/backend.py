@@ -51,6 +51,7 @@ class AttentionMetadata:
 class AttentionBackend(ABC):
     name: str = "abstract"
     reason: str = ""  # why get_attention_backend chose it (reported by the bench and recipes)
+    strided_qkv: bool = False  # takes q/k/v as strided views of one fused projection (no copies)
 
     def prepare(self, rows: list[RowSpec], kv: KVCache, write_mask: torch.Tensor | None = None) -> AttentionMetadata:
         """Build the tensors every layer of one core call reuses."""

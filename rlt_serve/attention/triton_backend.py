@@ -14,16 +14,12 @@ When a call has too few programs to fill the GPU (decode at low concurrency: one
 splits leave unnormalised fp32 partials with their running max and sum, and a third launch merges
 them. `TritonAttentionBackend.num_splits` makes the choice per call.
 
-Triton is imported and the kernels decorated on first launch, not at import: Triton picks its
-CPU interpreter (`TRITON_INTERPRET=1`) when it is imported and when a kernel is decorated, and
-tests choose that per process. Under `from __future__ import annotations` the `tl.constexpr`
-annotations stay unevaluated strings, which both the compiler and the interpreter read.
+Kernels are launched through `rlt_serve.triton_jit.jit`, which imports Triton on first launch
+(tests pick the CPU interpreter per process).
 """
 
 from __future__ import annotations
 
-import importlib.util
-import os
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -31,16 +27,13 @@ import torch
 
 from rlt_serve.attention.backend import AttentionBackend, AttentionMetadata
 from rlt_serve.engine.kv_cache import KVCache
+from rlt_serve.triton_jit import jit, next_pow2, triton_missing
 
-triton: Any = None  # imported on first launch, see _kernel
+triton: Any = None  # bound on first launch by rlt_serve.triton_jit.jit
 tl: Any = None
 
 _LOG2E = 1.4426950408889634
 _ROW_FIELDS = 4  # q_start, num_query, start_pos, depth_slot
-
-
-def _next_pow2(n: int) -> int:
-    return 1 << max(0, n - 1).bit_length()
 
 
 def _write_kv_kernel(
@@ -158,27 +151,6 @@ def _combine_kernel(
     tl.store(o_ptr + t * stride_ot + h * stride_oh + d, out.to(o_ptr.dtype.element_ty), mask=d < HEAD_D)
 
 
-_JITTED: dict[tuple[str, bool], Any] = {}
-
-
-def _kernel(fn: Any) -> Any:
-    """`triton.jit(fn)`, decorated once per interpreter mode.
-
-    Triton itself is imported here, not at module import: its own library functions
-    (`tl.zeros`, ...) are compiled or interpreted according to TRITON_INTERPRET at the moment
-    triton is imported, so nothing may import it before a test has chosen the mode."""
-    global triton, tl
-    if triton is None:
-        import triton as _triton
-        import triton.language as _tl
-
-        triton, tl = _triton, _tl
-    key = (fn.__name__, os.environ.get("TRITON_INTERPRET", "0") == "1")
-    if key not in _JITTED:
-        _JITTED[key] = triton.jit(fn)
-    return _JITTED[key]
-
-
 @dataclass
 class TritonCallData:
     """Device tensors of one core call, shared by every layer; tiles are built per GQA group."""
@@ -197,10 +169,16 @@ class TritonCallData:
         return self.tiles[tok_m]
 
 
+def _token_rows(x: torch.Tensor) -> bool:
+    """[T, heads, dim] whose heads x dim values of a token are contiguous (views of a fused qkv)."""
+    return x.stride(2) == 1 and x.stride(1) == x.shape[2]
+
+
 class TritonAttentionBackend(AttentionBackend):
     """Paged, depth-aware attention for CUDA (or Triton's CPU interpreter in tests)."""
 
     name = "triton"
+    strided_qkv = True
     block_n = 64  # keys per inner step; halved for wide tiles (M=64, head_dim > 64) to bound registers
     num_warps = 4
     max_splits = 16
@@ -231,13 +209,15 @@ class TritonAttentionBackend(AttentionBackend):
         """K/V of the call's tokens into their planes (one launch; masked-out tokens skipped)."""
         data: TritonCallData = meta.extra
         k_flat, v_flat = kv.flat(layer)
-        k, v = k.to(k_flat.dtype).contiguous(), v.to(v_flat.dtype).contiguous()
+        k, v = k.to(k_flat.dtype), v.to(v_flat.dtype)
+        if not (_token_rows(k) and _token_rows(v) and k.stride(0) == v.stride(0)):
+            k, v = k.contiguous(), v.contiguous()
         width = k.shape[1] * k.shape[2]
-        _kernel(_write_kv_kernel)[(k.shape[0],)](
+        jit(_write_kv_kernel)[(k.shape[0],)](
             k, v, k_flat, v_flat, meta.slot_mapping, meta.token_depth_slot,
             data.write_mask if data.write_mask is not None else meta.slot_mapping,
             kv.plane_base(layer), k.stride(0), k_flat.stride(0), k_flat.stride(1),
-            WIDTH=width, BLOCK=_next_pow2(width), HAS_MASK=data.write_mask is not None,
+            WIDTH=width, BLOCK=next_pow2(width), HAS_MASK=data.write_mask is not None,
         )  # fmt: skip
 
     def num_splits(self, programs: int, max_context: int, device: torch.device) -> int:
@@ -257,14 +237,16 @@ class TritonAttentionBackend(AttentionBackend):
         self.write(k, v, kv, layer, meta)
         t, heads, head_dim = q.shape
         kv_heads = k.shape[1]
-        q = q.to(kv.k.dtype).contiguous()  # no-op in the engine: q is fresh and in the KV dtype
-        out = torch.empty_like(q)
+        q = q.to(kv.k.dtype)  # no-op in the engine: q is in the KV dtype
+        if q.stride(2) != 1:
+            q = q.contiguous()
+        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         group = heads // kv_heads
-        group_p = _next_pow2(group)
+        group_p = next_pow2(group)
         block_m = 64 if max(data.num_query) > 16 // group_p else 16
         tok_m = max(1, block_m // group_p)
         tiles, num_tiles = data.tiles_for(tok_m, kv.device)
-        head_dp = max(16, _next_pow2(head_dim))
+        head_dp = max(16, next_pow2(head_dim))
         splits = self.num_splits(num_tiles * kv_heads, data.max_end, kv.device)
         if splits > 1:
             part_acc = torch.empty(splits, t, heads, head_dp, dtype=torch.float32, device=q.device)
@@ -272,7 +254,7 @@ class TritonAttentionBackend(AttentionBackend):
         else:
             part_acc = part_ml = out  # not read
         k_pages = kv.k  # [planes, pages, page_size, kv_heads, head_dim]
-        _kernel(_attention_kernel)[(num_tiles, kv_heads, splits)](
+        jit(_attention_kernel)[(num_tiles, kv_heads, splits)](
             q, out, k_pages, kv.v, data.rows, tiles, data.table,
             part_acc, part_ml, splits, t * heads,
             kv.plane_base(layer), scale * _LOG2E,
@@ -284,15 +266,13 @@ class TritonAttentionBackend(AttentionBackend):
             SPLIT=splits > 1, num_warps=self.num_warps,
         )  # fmt: skip
         if splits > 1:
-            _kernel(_combine_kernel)[(t, heads)](
+            jit(_combine_kernel)[(t, heads)](
                 out, part_acc, part_ml, splits, t * heads, out.stride(0), out.stride(1),
-                HEAD_D=head_dim, HEAD_DP=head_dp, SPLITS_P=max(2, _next_pow2(splits)),
+                HEAD_D=head_dim, HEAD_DP=head_dp, SPLITS_P=max(2, next_pow2(splits)),
             )  # fmt: skip
         return out
 
 
 def available() -> str | None:
     """None when the backend can run here, else what is missing (found without importing it)."""
-    if importlib.util.find_spec("triton") is None:
-        return "the 'triton' package is not installed (pip install 'triton==3.6.*')"
-    return None
+    return triton_missing()

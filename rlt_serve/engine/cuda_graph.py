@@ -8,10 +8,11 @@ no query and write no KV. A graph reads its inputs from fixed device addresses, 
 (token ids, positions, KV slots, per-depth row records, page tables) lives in one int32 device
 buffer, filled from one pinned host buffer by a single non-blocking copy per step.
 
-Only the Triton backend takes all of its per-call metadata from device tensors, and only families
-without attention outside the core (Ouro, Nanbeige4.2) have a prelude that is a pure function of
-the token ids, so graphs are captured for those; other configurations run the same fused step
-eagerly, and `graph_support` says why.
+Only the Triton backend takes all of its per-call metadata from device tensors, so graphs are
+captured with it; other configurations run the same fused step eagerly, and `graph_support` says
+why. Prelude and coda layers (Huginn) read and write depth slot 0, the same records as loop 0. A
+family whose initial state is drawn per (seed, position) on the host (Huginn) has it computed
+before the replay into a static state buffer the graph reads.
 """
 
 from __future__ import annotations
@@ -43,8 +44,6 @@ def graph_support(runner: "ModelRunner") -> str | None:
         return "fuse_decode_loops=False (a decode token's loops run in separate steps)"
     if runner.backend.name != "triton":
         return f"attention backend {runner.backend.name!r} builds per-call metadata on the host (graphs need triton)"
-    if model.prelude_attention or model.coda_attention or type(model).initial_state is not LoopedModel.initial_state:
-        return f"{runner.model_config.model_type}: prelude/coda attention or a seeded initial state"
     return None
 
 
@@ -84,6 +83,9 @@ class DecodeGraphs:
             self._rows_np[t, :, 3] = runner.depth_slot(t)
             self._host_view("depth", d * b_max).reshape(d, b_max)[t] = runner.depth_slot(t)
         self.dev = self.host.to(runner.device)
+        # Huginn draws each token's initial state on the host: the graph reads it from here.
+        self.seeded_state = type(runner.model).initial_state is not LoopedModel.initial_state
+        self.state = torch.zeros(b_max, mc.hidden_size, dtype=runner.dtype, device=runner.device)
         self._copied = torch.cuda.Event()
         self._copied.record()
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
@@ -114,16 +116,20 @@ class DecodeGraphs:
 
         group_p = 1 << max(0, runner.model_config.num_attention_heads // runner.model_config.num_key_value_heads - 1).bit_length()
         tok_ms = {max(1, 16 // group_p), max(1, 64 // group_p)}  # whichever tile height the backend picks
-        pre = model.prelude(ids, pos, None)
-        hidden = pre.hidden
-        for t in range(d):
+        def context(t: int) -> CoreContext:  # loop t's records; prelude and coda use slot 0 = loop 0's
             data = TritonCallData(
                 rows=rows[t, :b], table=table, write_mask=mask, num_query=[1] * b,
                 max_end=self.width * kv.page_size, tiles={m: (tiles, b) for m in tok_ms},
             )  # fmt: skip
             meta = AttentionMetadata(rows=[], query_start=[], slot_mapping=slot, token_depth_slot=depth[t, :b], extra=data)
-            hidden = model.core(hidden, pre.injected, pos, CoreContext(runner.backend, kv, meta)).hidden
-        return model.compute_logits(model.coda(hidden, None, None))
+            return CoreContext(runner.backend, kv, meta)
+
+        pre = model.prelude(ids, pos, context(0) if model.prelude_attention else None)
+        hidden = self.state[:b] if self.seeded_state else pre.hidden
+        for t in range(d):
+            hidden = model.core(hidden, pre.injected, pos, context(t)).hidden
+        coded = model.coda(hidden, pos, context(0)) if model.coda_attention else model.coda(hidden, None, None)
+        return model.compute_logits(coded)
 
     def _capture(self, b: int) -> None:
         side = torch.cuda.Stream()
@@ -156,6 +162,13 @@ class DecodeGraphs:
             self._table_np[i, : len(pt)] = pt
         self.dev.copy_(self.host, non_blocking=True)
         self._copied.record()
+        if self.seeded_state:
+            from rlt_serve.models.base import PreludeOutput
+
+            seeds = [seq.generator.initial_seed() for seq, _ in rows]
+            state = self.runner.model.initial_state(PreludeOutput(self.state[:n]), seeds, torch.tensor(positions))
+            if state.data_ptr() != self.state.data_ptr():
+                self.state[:n].copy_(state)
         graph, out = self.graphs[b]
         graph.replay()
         return out[:n]

@@ -7,6 +7,7 @@ its final `RequestOutput` (finish_reason stop, length or abort) is returned by e
 
 from __future__ import annotations
 
+import logging
 import os
 import random
 from typing import Any
@@ -28,6 +29,8 @@ from rlt_serve.loader import load_generation_config
 from rlt_serve.models import get_model_class
 from rlt_serve.outputs import RequestOutput
 from rlt_serve.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -124,6 +127,21 @@ class LLMEngine:
         self._aborted: list[Sequence] = []
         self._rng = random.Random(cfg.seed)
         self._stats = EngineStats(num_pages=num_pages)
+        logger.info("%s", self.kv_capacity_report())
+
+    def kv_capacity_report(self) -> str:
+        """How many tokens of KV fit, for the layout chosen: what a user sizes concurrency by."""
+        kv, r = self.runner.kv, self.runner
+        mc = self.model_config
+        per_token = kv.bytes_per_token(kv.num_planes, mc.num_key_value_heads, mc.head_dim, self.dtype)
+        layout = self.engine_config.huginn_cache or self.engine_config.kv_layout
+        graphs = (f"CUDA graphs for decode batch sizes {r.graphs.sizes} ({r.graphs.capture_seconds:.1f} s to capture)"
+                  if r.graphs is not None else f"no CUDA graphs ({r.graphs_disabled})")
+        return (
+            f"KV cache: {kv.num_pages} pages x {kv.page_size} = {kv.num_pages * kv.page_size} tokens "
+            f"({per_token} bytes/token over {kv.num_planes} planes, layout {layout}, "
+            f"{kv.num_pages * kv.page_size * per_token / 2**30:.2f} GiB); max_model_len {self.max_model_len}; {graphs}"
+        )
 
     def _check_speculation(self, cfg: EngineConfig) -> None:
         if not cfg.num_speculative_tokens:

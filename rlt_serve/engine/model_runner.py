@@ -73,6 +73,7 @@ class ModelRunner:
         with torch.device("meta"):
             model = get_model_class(model_config)(model_config)
         load_into_module(model, model_dir, dtype, device)
+        model.fuse_weights()
         self.model = model.eval()
         self.max_loops = engine_config.max_loops or model_config.num_loops
         # `shared` and Huginn's compress-s{k} keep a ring of slots per core layer, not one per depth.

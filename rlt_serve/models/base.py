@@ -60,6 +60,9 @@ class LoopedModel(nn.Module):
         depend on batching, preemption or recomputation."""
         return pre.hidden
 
+    def fuse_weights(self) -> None:
+        """After loading: merge projections that read the same input into one matmul weight."""
+
     def prepare_sequence(self, seq: Any) -> None:
         """Per-request setup a family needs before scheduling (Huginn: cache salt, exit records)."""
 

@@ -40,9 +40,13 @@ class InterleavedRotary:
     def __init__(self, head_dim: int, base: float) -> None:
         exponent = torch.arange(0, head_dim, 2, dtype=torch.float32, device="cpu") / head_dim
         self.inv_freq = 1.0 / (base**exponent)
+        self._on_device: dict[torch.device, torch.Tensor] = {}  # no host copy per call (CUDA graphs)
 
     def cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        angles = positions.float()[:, None] * self.inv_freq.to(positions.device)[None, :]
+        inv = self._on_device.get(positions.device)
+        if inv is None:
+            inv = self._on_device[positions.device] = self.inv_freq.to(positions.device)
+        angles = positions.float()[:, None] * inv[None, :]
         return angles.cos()[:, None, :], angles.sin()[:, None, :]  # [T, 1, head_dim / 2] fp32
 
     @staticmethod

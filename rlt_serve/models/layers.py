@@ -8,6 +8,7 @@ from torch import nn
 
 from rlt_serve.attention.backend import AttentionBackend, AttentionMetadata
 from rlt_serve.engine.kv_cache import KVCache
+from rlt_serve.models import fused_ops
 
 
 class RMSNorm(nn.Module):
@@ -19,9 +20,7 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        xf = x.float()
-        y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * y.to(x.dtype)
+        return fused_ops.rms_norm(x, self.weight, self.eps)
 
 
 class RotaryEmbedding:
@@ -41,11 +40,19 @@ class RotaryEmbedding:
         emb = torch.cat((freqs, freqs), dim=-1)
         return emb.cos().to(dtype)[:, None, :], emb.sin().to(dtype)[:, None, :]
 
-    @staticmethod
-    def apply(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        half = x.shape[-1] // 2
-        rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-        return x * cos + rotated * sin
+    apply = staticmethod(fused_ops.rope_torch)
+
+
+def fuse_linears(*linears: nn.Linear) -> torch.Tensor:
+    """One weight for several bias-free projections of the same input (one matmul launch instead
+    of several); the modules keep views into it, so nothing is stored twice."""
+    fused = torch.cat([lin.weight.detach() for lin in linears])
+    offset = 0
+    for lin in linears:
+        n = lin.weight.shape[0]
+        lin.weight = nn.Parameter(fused[offset : offset + n], requires_grad=False)
+        offset += n
+    return fused
 
 
 class SwiGLU(nn.Module):
@@ -54,9 +61,15 @@ class SwiGLU(nn.Module):
         self.gate_proj = nn.Linear(hidden, intermediate, bias=False)
         self.up_proj = nn.Linear(hidden, intermediate, bias=False)
         self.down_proj = nn.Linear(intermediate, hidden, bias=False)
+        self.gate_up: torch.Tensor | None = None  # set by fuse()
+
+    def fuse(self) -> None:
+        self.gate_up = fuse_linears(self.gate_proj, self.up_proj)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        if self.gate_up is None:
+            return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        return self.down_proj(fused_ops.silu_mul(F.linear(x, self.gate_up)))
 
 
 class PagedAttention(nn.Module):
@@ -71,15 +84,24 @@ class PagedAttention(nn.Module):
         self.k_proj = nn.Linear(hidden, kv_heads * head_dim, bias=False)
         self.v_proj = nn.Linear(hidden, kv_heads * head_dim, bias=False)
         self.o_proj = nn.Linear(heads * head_dim, hidden, bias=False)
+        self.qkv: torch.Tensor | None = None  # set by fuse()
+
+    def fuse(self) -> None:
+        self.qkv = fuse_linears(self.q_proj, self.k_proj, self.v_proj)
 
     def forward(self, x: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor], ctx: "CoreContext") -> torch.Tensor:
         t = x.shape[0]
-        q = self.q_proj(x).view(t, self.heads, self.head_dim)
-        k = self.k_proj(x).view(t, self.kv_heads, self.head_dim)
-        v = self.v_proj(x).view(t, self.kv_heads, self.head_dim)
-        cos, sin = cos_sin
-        q = RotaryEmbedding.apply(q, cos, sin)
-        k = RotaryEmbedding.apply(k, cos, sin)
+        if self.qkv is None:
+            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        else:
+            nq, nkv = self.heads * self.head_dim, self.kv_heads * self.head_dim
+            q, k, v = F.linear(x, self.qkv).split([nq, nkv, nkv], dim=-1)
+        q = q.view(t, self.heads, self.head_dim)
+        k = k.view(t, self.kv_heads, self.head_dim)
+        v = v.view(t, self.kv_heads, self.head_dim)
+        q, k = fused_ops.rope(q, k, *cos_sin)
+        if not ctx.backend.strided_qkv:
+            q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
         o = ctx.backend.forward(q, k, v, ctx.kv, self.layer, ctx.meta, self.scale)
         return self.o_proj(o.reshape(t, self.heads * self.head_dim))
 

@@ -13,6 +13,7 @@ from torch import nn
 
 from rlt_serve.config import ModelConfig
 from rlt_serve.models.base import CoreOutput, LoopedModel, PreludeOutput
+from rlt_serve.models.fused_ops import add_rms_norm
 from rlt_serve.models.layers import CoreContext, PagedAttention, RMSNorm, RotaryEmbedding, SwiGLU
 
 
@@ -29,11 +30,16 @@ class DecoderLayer(nn.Module):
             self.input_layernorm_2 = RMSNorm(h, eps)
             self.post_attention_layernorm_2 = RMSNorm(h, eps)
 
-    def forward(self, h: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor], ctx: CoreContext) -> torch.Tensor:
-        a = self.self_attn(self.input_layernorm(h), cos_sin, ctx)
-        h = h + (self.input_layernorm_2(a) if self.sandwich else a)
-        m = self.mlp(self.post_attention_layernorm(h))
-        return h + (self.post_attention_layernorm_2(m) if self.sandwich else m)
+    def forward(
+        self, h: torch.Tensor, x: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor], ctx: CoreContext,
+        next_norm: RMSNorm,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(residual stream, next_norm of it): the layer takes its input already normalised, so
+        each residual add is fused with the norms around it (see fused_ops)."""
+        a = self.self_attn(x, cos_sin, ctx)
+        h, x = add_rms_norm(a, h, self.input_layernorm_2 if self.sandwich else None, self.post_attention_layernorm)
+        m = self.mlp(x)
+        return add_rms_norm(m, h, self.post_attention_layernorm_2 if self.sandwich else None, next_norm)
 
 
 class LoopedBody(nn.Module):
@@ -55,6 +61,11 @@ class LoopedLlamaForCausalLM(LoopedModel):
         self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.rotary = RotaryEmbedding(cfg.head_dim, cfg.rope_theta)
 
+    def fuse_weights(self) -> None:
+        for layer in self.model.layers:
+            layer.self_attn.fuse()
+            layer.mlp.fuse()
+
     def kv_slots_per_layer(self, max_loops: int) -> list[int]:
         """Depth slots of each attention layer: every shared layer keeps one per loop."""
         return [max_loops] * self.config.num_hidden_layers
@@ -66,10 +77,11 @@ class LoopedLlamaForCausalLM(LoopedModel):
         self, hidden: torch.Tensor, injected: torch.Tensor | None, positions: torch.Tensor, ctx: CoreContext
     ) -> CoreOutput:
         cos_sin = self.rotary.cos_sin(positions, hidden.dtype)
-        h = hidden
-        for layer in self.model.layers:
-            h = layer(h, cos_sin, ctx)
-        h = self.model.norm(h)
+        layers = self.model.layers
+        h, x = hidden, layers[0].input_layernorm(hidden)
+        for i, layer in enumerate(layers):  # the last layer's next norm is the per-loop model.norm
+            h, x = layer(h, x, cos_sin, ctx, layers[i + 1].input_layernorm if i + 1 < len(layers) else self.model.norm)
+        h = x
         gate = None
         if self.config.exit_gate:
             gate = self.model.early_exit_gate(h).squeeze(-1).float()

@@ -1,0 +1,45 @@
+#!/usr/bin/env bash
+# The issue-6 acceptance run on one H200: GPU tests for graphs/syncs, then `rlt-serve bench` on a
+# random Ouro-1.4B-shape bf16 checkpoint at concurrency 1 (with the dense reference) and 64
+# (128 prompts, plus a 16K-token prefill batch), graphs on and off. Logs to $OUT/gpu_perf.log.
+#   run(command="bash recipes/gpu_perf.sh", carry=[".whl"], timeout_s=600)
+# SHAPE=nanbeige-3b|huginn-0125 benches another family; TESTS='' skips pytest; BENCH='c1 c64 eager'
+# picks the bench set. .whl holds msgspec and pyzmq cp312 wheels (the CLI imports the launcher).
+set -uo pipefail
+OUT=${OUT:-/tmp/rlt_out}; mkdir -p "$OUT"
+exec > >(tee -a "$OUT/gpu_perf.log") 2>&1
+export PYTHONUNBUFFERED=1
+SHAPE=${SHAPE:-ouro-1.4b}
+CKPT=${CKPT:-/tmp/rlt_${SHAPE}_bf16}
+TESTS=${TESTS-"graph or sync or (fp32_greedy and triton)"}
+BENCH=${BENCH:-c1 c64 eager}
+EXTRA=${EXTRA:-}
+if ls .whl/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site
+fi
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
+RLT="python3 -m rlt_serve.cli"
+[ -d "$CKPT" ] || ( $RLT make-random-checkpoint --shape "$SHAPE" "$CKPT" --dtype bfloat16 > "$OUT/ckpt.txt" 2>&1 ) &
+CK=$!
+if [ -n "$TESTS" ]; then
+  echo "=== pytest -m gpu -k '$TESTS'"; t0=$SECONDS
+  timeout 240 python3 -m pytest -m gpu -q -p no:cacheprovider tests/test_gpu.py -k "$TESTS" 2>&1 | tail -25
+  echo "=== pytest: $((SECONDS - t0))s"
+fi
+wait $CK; cat "$OUT/ckpt.txt" 2>/dev/null
+b() {  # b NAME LIMIT ARGS...
+  local name=$1 limit=$2; shift 2
+  echo "=== bench $name"; local t0=$SECONDS
+  timeout "$limit" $RLT bench --model "$CKPT" --dtype bfloat16 --input-len 512 --output-len 128 --runs 3 --warmup 1 \
+    --json "$OUT/bench_${SHAPE}_${name}.json" $EXTRA "$@"
+  echo "=== bench $name: rc=$? $((SECONDS - t0))s"
+}
+for x in $BENCH; do
+  case $x in
+    c1) b c1 150 --concurrency 1 ;;
+    c64) b c64 200 --concurrency 64 --num-prompts 128 --skip-reference --prefill-tokens 16384 --max-num-batched-tokens 16384 ;;
+    eager) b c1_eager 90 --concurrency 1 --skip-reference --runs 1 --enforce-eager ;;
+    c8) b c8 100 --concurrency 8 --skip-reference ;;
+    c128) b c128 200 --concurrency 128 --num-prompts 128 --skip-reference ;;
+  esac
+done

@@ -1,0 +1,41 @@
+"""Lazy `triton.jit`: Triton is imported, and kernels decorated, on first launch, not at import.
+
+Triton picks its CPU interpreter (`TRITON_INTERPRET=1`) when it is imported and when a kernel is
+decorated, and tests choose that per process, so nothing may import it earlier. Kernel modules
+therefore write their kernels as plain functions over `tl` (under `from __future__ import
+annotations` the `tl.constexpr` annotations stay unevaluated strings, which both the compiler
+and the interpreter read) and launch them through `jit(fn)`.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import sys
+from typing import Any
+
+_JITTED: dict[tuple[str, str, bool], Any] = {}
+
+
+def jit(fn: Any) -> Any:
+    """`triton.jit(fn)`, decorated once per interpreter mode; binds `triton`/`tl` in fn's module."""
+    import triton
+    import triton.language as tl
+
+    module = sys.modules[fn.__module__]
+    module.triton, module.tl = triton, tl
+    key = (fn.__module__, fn.__name__, os.environ.get("TRITON_INTERPRET", "0") == "1")
+    if key not in _JITTED:
+        _JITTED[key] = triton.jit(fn)
+    return _JITTED[key]
+
+
+def next_pow2(n: int) -> int:
+    return 1 << max(0, n - 1).bit_length()
+
+
+def triton_missing() -> str | None:
+    """None when triton can be imported, else what to install (found without importing it)."""
+    if importlib.util.find_spec("triton") is None:
+        return "the 'triton' package is not installed (pip install 'triton==3.6.*')"
+    return None
