@@ -194,6 +194,9 @@ class LLMEngine:
                     f"num_loops: {p.num_loops} exceeds the engine's max_loops={self.runner.max_loops} depth slots"
                 )
         if p.exit_criterion is not None:
+            if self.engine_config.delayed_exit:
+                raise ValueError("exit_criterion: delayed_exit applies to Ouro's Q-exit only; use async_exit "
+                                 "(the exact policy) with Huginn's criteria")
             self._validate_criterion(p)
         elif p.exit_threshold is not None and p.exit_threshold < 1.0:
             if mc.model_type == HUGINN:

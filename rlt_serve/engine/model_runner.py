@@ -17,6 +17,7 @@ from rlt_serve.attention import RowSpec, get_attention_backend
 from rlt_serve.config import ConfigError, EngineConfig, ModelConfig, core_ring_slots
 from rlt_serve.engine.kv_cache import KVCache
 from rlt_serve.engine.exit_criteria import exit_step, needs_distribution, new_exit_state, record_exit_depths
+from rlt_serve.engine.exit_policy import ExitReadback, row_done_flag
 from rlt_serve.engine.scheduler import Row, SchedulerOutput
 from rlt_serve.engine.sequence import Sequence, Span
 from rlt_serve.loader import load_into_module
@@ -141,7 +142,7 @@ class ModelRunner:
         for (seq, span), h, g in zip(rows, self._split(rows, core.hidden), gates):
             span.hidden = h
             if span.exit is not None:
-                new = exit_step(seq, span, h, g, dists.get(id(span)))
+                new = exit_step(seq, span, h, g, dists.get(id(span)), self.engine_config.delayed_exit)
                 fills.append((seq, span, new))
                 adaptive.append(span)
             elif span.depth + 1 == (span.stop_depth or seq.num_loops):
@@ -173,23 +174,28 @@ class ModelRunner:
         return {id(span): row for (_, span), row in zip(picked, logits)}
 
     def _decide_exits(self, rows: list[Row], adaptive: list[Span]) -> None:
-        """Whether each adaptive row has left the core entirely.
+        """Whether each adaptive row has left the core entirely (`span.finished`).
 
-        Synchronous: one host read per call, of this call's gate decisions. Delayed: the read is of
-        the previous call's decisions, which finished long ago, so the host never waits on this
-        call's gate; a row whose tokens all exited at depth t therefore computes one extra loop,
-        whose K/V writes are masked and whose state is never read (the logits come from the
-        stored exit-depth state), so tokens and exit depths equal the synchronous policy's."""
-        seq_of = {id(span): seq for seq, span in rows}
-        if not self.engine_config.delayed_exit:
-            done = torch.stack([span.exit.exited.all() for span in adaptive]).tolist()
-            for span, d in zip(adaptive, done):
-                span.finished = d
+        Synchronous (default): one blocking host read per call, of this call's decisions.
+        Asynchronous (`async_exit`, the exact policy): this call's flags start a non-blocking copy
+        to pinned host memory and are read one call later, when they have long arrived, so the host
+        never waits on the gate. A row whose tokens all exited at depth t therefore runs one more
+        loop; its K/V writes are masked (exited tokens never write) and its state is never read
+        (the coda reads the stored exit-depth state), so exit depths, states and tokens equal the
+        synchronous policy's bit for bit. Delayed exit (`delayed_exit`) reads back the same way,
+        but its decisions take effect one loop later (exit_policy), so no loop is wasted."""
+        ec = self.engine_config
+        delay = ec.delayed_exit
+        flags = torch.stack([row_done_flag(span.exit, delay) for span in adaptive])
+        if not (delay or ec.async_exit):
+            for span, done in zip(adaptive, flags.tolist()):
+                span.finished = done
             return
-        for span in adaptive:
-            seq = seq_of[id(span)]
-            prev, span.pending_done = span.pending_done, span.exit.exited.all()
-            span.finished = span.depth + 1 >= seq.num_loops or (prev is not None and bool(prev))
+        seq_of = {id(span): seq for seq, span in rows}
+        readback = ExitReadback(flags)
+        for i, span in enumerate(adaptive):
+            prev, span.pending_done = span.pending_done, (readback, i)
+            span.finished = span.depth + 1 >= seq_of[id(span)].num_loops or (prev is not None and prev[0].get(prev[1]))
 
     def _fill_deeper_slots(self, fills: list[tuple[Sequence, Span, torch.Tensor]]) -> None:
         """`last_exited`: a token leaving the core at depth e copies its slot e into e+1..D-1, so

@@ -148,8 +148,10 @@ class Scheduler:
             if seq.status is not SequenceStatus.RUNNING or seq.decoding:
                 continue
             for i, span in enumerate(seq.spans):
-                ready = i == 0 or seq.spans[i - 1].depth > span.depth  # (c-1, d) is done
-                if ready and span.num_tokens <= p.budget:
+                # (c-1, d) is done. An early-exited chunk waits to retire in chunk order without
+                # running again; its tokens' deeper planes are already filled (last_exited).
+                ready = i == 0 or seq.spans[i - 1].finished or seq.spans[i - 1].depth > span.depth
+                if ready and not span.finished and span.num_tokens <= p.budget:
                     p.add(seq, span)
             # A replay of recorded exits runs its spans in order: a span's coda reads the coda K/V
             # of the spans before it, which exist only once those have left the core.
