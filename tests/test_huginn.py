@@ -377,8 +377,9 @@ def test_cache_option_rejections(ckpt, tmp_path):
     ouro = write_random_checkpoint(str(tmp_path / "ouro"), "ouro")
     with pytest.raises(ConfigError, match="Huginn option"):
         LLMEngine(ouro, device="cpu", skip_tokenizer_init=True, huginn_cache="full")
-    with pytest.raises(ConfigError, match="not implemented"):
-        _engine(path, num_speculative_tokens=2, speculative_draft_depth=1)
+    with pytest.raises(ConfigError, match="ring"):
+        _engine(path, num_speculative_tokens=2, speculative_draft_depth=1, huginn_cache="compress-s4",
+                long_prefill_token_threshold=1, enable_wavefront_prefill=False)
 
 
 # -- scheduling features -------------------------------------------------------------------------

@@ -134,8 +134,11 @@ class LLMEngine:
         if cfg.kv_layout == "shared":
             raise ConfigError("self-speculative decoding cannot run with kv_layout='shared' (drafts would "
                               "overwrite the slot later tokens read)")
-        if self.runner.model.coda_attention:
-            raise ConfigError(f"self-speculative decoding is not implemented for {self.model_config.model_type}")
+        if self.runner.ring:
+            raise ConfigError(f"self-speculative decoding cannot run with huginn_cache={cfg.huginn_cache!r} (a ring "
+                              "slot holds one step per position; drafts would overwrite what later tokens read)")
+        # Huginn's coda attends too: a draft's coda K/V (from its shallow state) is overwritten by
+        # the verify row's full-depth coda at the same positions before any committed token reads it.
 
     def _eos_token_ids(self) -> set[int]:
         ids = set(self.model_config.eos_token_ids)

@@ -240,14 +240,16 @@ class ModelRunner:
                 out.exit_depths += depths
             else:
                 out.exit_depths += [span.depth] * span.num_tokens
-        if model.coda_attention:  # every exiting token writes its coda KV, later tokens read it
+        # What the head reads per row. With coda attention every exiting token writes its coda K/V
+        # (later tokens read it); a draft's span keeps its core state, which its verify row resumes.
+        out_hidden = {id(span): span.hidden for _, span in exiting}
+        if model.coda_attention:
             coded = model.coda(
                 torch.cat([span.hidden for _, span in exiting]),
                 self._positions(exiting, self.device),
                 self._context(exiting, core=False),
             )
-            for (_, span), h in zip(exiting, self._split(exiting, coded)):
-                span.hidden = h
+            out_hidden = {id(span): h for (_, span), h in zip(exiting, self._split(exiting, coded))}
         picks: list[torch.Tensor] = []
         prompt_parts: list[tuple[Sequence, int, int]] = []
         for seq, span in exiting:
@@ -257,16 +259,16 @@ class ModelRunner:
                 stop = min(span.end, seq.num_prompt_tokens - 1)
                 if stop > first:
                     prompt_parts.append((seq, first, stop - first))
-                    picks.append(span.hidden[first - span.start : stop - span.start])
+                    picks.append(out_hidden[id(span)][first - span.start : stop - span.start])
         spec: list[tuple[Span, Sequence, int]] = []
         for seq, span in exiting:
             if span.kind != "normal":  # self-speculation: every position of the row is needed
                 spec.append((span, seq, span.num_tokens))
-                picks.append(span.hidden)
+                picks.append(out_hidden[id(span)])
         for seq, span in exiting:
             if span.kind == "normal" and span.end == seq.num_tokens:
                 out.sample_seqs.append(seq)
-                picks.append(span.hidden[-1:])
+                picks.append(out_hidden[id(span)][-1:])
         if not picks:
             return out
         selected = torch.cat(picks)

@@ -122,9 +122,12 @@ class Scheduler:
                 return None
             return Span(pos, pos + 1, kind="draft", stop_depth=depth)
         hidden = torch.cat([span.hidden for span in seq.draft_spans])
+        injected = None  # Huginn re-injects the prelude output at every step: the verify row resumes it too
+        if seq.draft_spans[0].injected is not None:
+            injected = torch.cat([span.injected for span in seq.draft_spans])
         seq.draft_spans.clear()
         start = seq.num_computed
-        return Span(start, start + k, depth=depth, hidden=hidden, kind="verify")
+        return Span(start, start + k, depth=depth, hidden=hidden, injected=injected, kind="verify")
 
     def _spec_round(self, seq: Sequence) -> tuple[int, int]:
         """(K, draft depth) for `seq`: fixed for a round once its first draft starts; K = 0 turns
