@@ -105,9 +105,11 @@ def test_q_exit_matches_oracle(ckpt, q, min_loops, kw):
         reqs.append((f"r{i}", prompt, p, rng.randint(0, 1)))
     engine = _engine(ckpt, **kw)
     done, exits = _run(engine, reqs)
-    spread, compared, total = set(), 0, 0
+    spread, compared, total, sampled = set(), 0, 0, {}
     for rid, prompt, p, _ in reqs:
         want, want_exits = _oracle(ckpt, tuple(prompt), p.max_tokens, q, min_loops)
+        for d in want_exits[len(prompt) - 1:]:  # the state each generated token was sampled from
+            sampled[d] = sampled.get(d, 0) + 1
         assert done[rid].outputs[0].token_ids == want, rid
         compared += _compare_exits(exits[rid], want_exits)
         total += len(want_exits)
@@ -120,6 +122,8 @@ def test_q_exit_matches_oracle(ckpt, q, min_loops, kw):
     if kw.get("swap_space_bytes") == 0:
         assert st.num_recompute_preemptions > 0 and st.num_swap_preemptions == 0
     assert st.last_num_rows >= 1 and max(st.exit_depth_counts) <= 3
+    # Every plainly sampled token is counted once, at the depth its logits came from.
+    assert st.sample_depth_counts == sampled and st.num_generation_tokens == sum(sampled.values())
 
 
 def _workload(seed: int, n: int, q: float | None, max_tokens: int = 6, **extra):

@@ -68,6 +68,12 @@ def test_greedy_speculation_is_token_identical(ckpts, family, k, depth):
     assert got == _baseline(path)
     assert st.num_spec_drafts > 0 and st.num_spec_draft_tokens >= st.num_spec_accepted_tokens
     assert st.num_preemptions > 0
+    # Metrics: per-position acceptance adds up and falls with the position; rounds per draft depth.
+    per_pos = st.spec_accepted_per_pos
+    assert sum(per_pos) == st.num_spec_accepted_tokens and len(per_pos) <= k
+    assert all(a >= b for a, b in zip(per_pos, per_pos[1:]))
+    assert st.spec_draft_depth_counts == {depth: st.num_spec_drafts}
+    assert set(st.exit_depth_counts) == {3 if family.startswith("ouro") else 1}  # drafts do not "exit"
     for o in done.values():  # one logprob entry per committed token
         assert len(o.outputs[0].logprobs) == len(o.outputs[0].token_ids)
 

@@ -53,6 +53,11 @@ class EngineStats:
     num_spec_draft_tokens: int = 0
     num_spec_accepted_tokens: int = 0
     exit_depth_counts: dict[int, int] = field(default_factory=dict)  # depth a token left the core -> tokens
+    # Depth of the state each plainly sampled token's logits came from (its decode row's exit
+    # depth; speculative tokens are full depth by construction and are not counted here).
+    sample_depth_counts: dict[int, int] = field(default_factory=dict)
+    spec_accepted_per_pos: list[int] = field(default_factory=list)  # rounds whose draft i was accepted
+    spec_draft_depth_counts: dict[int, int] = field(default_factory=dict)  # verify rounds per draft depth
     last_num_rows: int = 0
     last_num_depths: int = 0  # distinct depths in the last core call
     last_num_tokens: int = 0
@@ -270,6 +275,8 @@ class LLMEngine:
             st.num_prompt_tokens += max(0, min(span.end, seq.num_prompt_tokens) - span.start)
         for d in result.exit_depths:
             st.exit_depth_counts[d] = st.exit_depth_counts.get(d, 0) + 1
+        for d in result.sample_depths:
+            st.sample_depth_counts[d] = st.sample_depth_counts.get(d, 0) + 1
         for seq, start, logits in result.prompt_logits:
             self._record_prompt_logprobs(seq, start, logits)
         for seq, logits in result.draft_logits:  # drafts are drawn from the shallow distribution
@@ -323,6 +330,11 @@ class LLMEngine:
             if token != draft or status is not None:
                 break
         st.num_spec_accepted_tokens += accepted
+        st.spec_draft_depth_counts[depth] = st.spec_draft_depth_counts.get(depth, 0) + 1
+        if len(st.spec_accepted_per_pos) < len(drafts):
+            st.spec_accepted_per_pos += [0] * (len(drafts) - len(st.spec_accepted_per_pos))
+        for i in range(accepted):
+            st.spec_accepted_per_pos[i] += 1
         # Positions after the first rejection were never tested; count only what was.
         self.scheduler.spec.record(depth, committed, accepted)
         seq.num_computed = start + committed

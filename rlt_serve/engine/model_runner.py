@@ -34,6 +34,7 @@ class RunnerOutput:
     # (sequence, first position, logits [n, V]) whose rows predict prompt tokens position+1...
     prompt_logits: list[tuple[Sequence, int, torch.Tensor]] = field(default_factory=list)
     exit_depths: list[int] = field(default_factory=list)  # depth at which each token left the core
+    sample_depths: list[int] = field(default_factory=list)  # per sample_seqs: depth of the state sampled from
     draft_logits: list[tuple[Sequence, torch.Tensor]] = field(default_factory=list)  # shallow [1, V]
     verify_logits: list[tuple[Sequence, torch.Tensor]] = field(default_factory=list)  # full depth [K, V]
 
@@ -232,14 +233,17 @@ class ModelRunner:
         if not exiting:
             return out
         model = self.model
+        last_depth: dict[int, int] = {}  # per row: depth its last token left the core at
         for seq, span in exiting:  # adaptive rows read each token's state at its own exit depth
             if span.exit is not None:
                 span.hidden = span.exit.hidden
                 depths = span.exit.depth.tolist()
                 record_exit_depths(seq, span, depths)
                 out.exit_depths += depths
-            else:
+                last_depth[id(span)] = depths[-1]
+            elif span.kind != "draft":  # a draft does not leave the core: its verify row resumes it
                 out.exit_depths += [span.depth] * span.num_tokens
+                last_depth[id(span)] = span.depth
         # What the head reads per row. With coda attention every exiting token writes its coda K/V
         # (later tokens read it); a draft's span keeps its core state, which its verify row resumes.
         out_hidden = {id(span): span.hidden for _, span in exiting}
@@ -268,6 +272,7 @@ class ModelRunner:
         for seq, span in exiting:
             if span.kind == "normal" and span.end == seq.num_tokens:
                 out.sample_seqs.append(seq)
+                out.sample_depths.append(last_depth[id(span)])
                 picks.append(out_hidden[id(span)][-1:])
         if not picks:
             return out
