@@ -6,7 +6,7 @@ mean loops per sampled token (early exit) it was obtained at. Agreement between 
 predictions is set by the checkpoint's update scale (`make-random-checkpoint --update-scale`),
 so one sweep over a few scales traces speedup against acceptance. One engine per (checkpoint,
 mode) serves every concurrency: a run submits `concurrency` prompts at once and the engine's
-max_num_seqs is the largest concurrency. Nothing here imports the serving stack (router,
+max_num_seqs is the largest concurrency; it is warmed up once, at the largest concurrency. Nothing here imports the serving stack (router,
 workers), so it runs where only torch and safetensors are installed:
 
     python -m rlt_serve.bench_depth --model 1.0=/ckpt/s1 --model 0.05=/ckpt/s005 \\
@@ -21,9 +21,11 @@ import json
 import sys
 import time
 from dataclasses import asdict, dataclass, replace
+from collections.abc import Callable
 from typing import Any
 
-from rlt_serve.bench import BenchConfig, DepthStats, _median, engine_args, free_device_memory, measure
+from rlt_serve.bench import (BenchConfig, DepthStats, _median, _prompts, engine_args, free_device_memory, measure,
+                             run_engine_once)
 
 
 @dataclass
@@ -38,6 +40,15 @@ class Row:
     core_calls_per_token: float
 
 
+def warm_up(engine: Any, cfg: BenchConfig, exit_thresholds: list[float | None]) -> None:
+    """One short wave at the largest concurrency per threshold: kernels for prefill and decode
+    shapes compile and the allocator grows before anything is timed."""
+    for i, q in enumerate(exit_thresholds):
+        for _ in range(cfg.warmup):
+            prompts = _prompts(cfg.concurrency, cfg.input_len, engine.model_config.vocab_size, 10**6 + i)
+            run_engine_once(engine, prompts, min(cfg.output_len, 4), f"warm{i}", cfg.num_loops, q)
+
+
 def _engine_runs(model: str, base: BenchConfig, concurrencies: list[int], exit_threshold: float | None,
                  **mode: Any) -> dict[int, tuple[float, DepthStats]]:  # fmt: skip
     """Build one engine for `mode`, warm it up once, measure each concurrency: c -> (tok/s, stats)."""
@@ -47,9 +58,10 @@ def _engine_runs(model: str, base: BenchConfig, concurrencies: list[int], exit_t
     cfg = replace(base, model=model, concurrency=top, num_prompts=None, exit_threshold=exit_threshold, **mode)
     engine = LLMEngine(model, **engine_args(cfg))
     device = engine.device
+    warm_up(engine, cfg, [exit_threshold])
     out: dict[int, tuple[float, DepthStats]] = {}
-    for i, c in enumerate(concurrencies):
-        run_cfg = replace(cfg, concurrency=c, warmup=base.warmup if i == 0 else 0)
+    for c in concurrencies:
+        run_cfg = replace(cfg, concurrency=c, warmup=0)
         runs, depth = measure(engine, run_cfg, exit_threshold)
         out[c] = (_median([r.output_tps for r in runs]), depth)
     engine = None
@@ -58,7 +70,8 @@ def _engine_runs(model: str, base: BenchConfig, concurrencies: list[int], exit_t
 
 
 def sweep_speculation(models: dict[str, str], base: BenchConfig, concurrencies: list[int],
-                      fixed: list[tuple[int, int]], adaptive: list[int]) -> list[Row]:  # fmt: skip
+                      fixed: list[tuple[int, int]], adaptive: list[int],
+                      progress: Callable[[list[Row]], None] | None = None) -> list[Row]:  # fmt: skip
     rows: list[Row] = []
     for label, path in models.items():
         modes: list[tuple[str, dict[str, Any]]] = [("plain", {})]
@@ -72,10 +85,13 @@ def sweep_speculation(models: dict[str, str], base: BenchConfig, concurrencies: 
                 rows.append(Row(label, c, name, tps, tps / plain[c], depth.acceptance_rate, depth.mean_loops,
                                 depth.core_calls_per_token))  # fmt: skip
             print(f"[bench_depth] {label} {name}: {time.perf_counter() - t0:.1f}s", file=sys.stderr, flush=True)
+            if progress is not None:
+                progress(rows)
     return rows
 
 
-def sweep_exit(label: str, path: str, base: BenchConfig, concurrencies: list[int], thresholds: list[float]) -> list[Row]:
+def sweep_exit(label: str, path: str, base: BenchConfig, concurrencies: list[int], thresholds: list[float],
+               progress: Callable[[list[Row]], None] | None = None) -> list[Row]:  # fmt: skip
     """Early exit: one last_exited engine; q is per request, so every threshold shares it."""
     from rlt_serve.engine.llm_engine import LLMEngine
 
@@ -86,14 +102,17 @@ def sweep_exit(label: str, path: str, base: BenchConfig, concurrencies: list[int
     rows: list[Row] = []
     fixed: dict[int, float] = {}
     t0 = time.perf_counter()
-    for i, c in enumerate(concurrencies):
-        for j, q in enumerate(sorted(thresholds, reverse=True)):  # 1.0 first: the baseline
-            run_cfg = replace(cfg, concurrency=c, exit_threshold=q, warmup=base.warmup if i == j == 0 else 0)
+    warm_up(engine, cfg, [1.0, min(thresholds)])
+    for c in concurrencies:
+        for q in sorted(thresholds, reverse=True):  # 1.0 first: the baseline
+            run_cfg = replace(cfg, concurrency=c, exit_threshold=q, warmup=0)
             runs, depth = measure(engine, run_cfg, q)
             tps = _median([r.output_tps for r in runs])
             fixed.setdefault(c, tps)
             rows.append(Row(label, c, f"q={q:g}", tps, tps / fixed[c], float("nan"), depth.mean_loops,
                             depth.core_calls_per_token))  # fmt: skip
+        if progress is not None:
+            progress(rows)
     print(f"[bench_depth] exit {label}: {time.perf_counter() - t0:.1f}s", file=sys.stderr, flush=True)
     engine = None
     free_device_memory(device)
@@ -153,22 +172,29 @@ def main(argv: list[str] | None = None) -> int:
     base = BenchConfig(model="", input_len=args.input_len, output_len=args.output_len, runs=args.runs,
                        warmup=args.warmup, dtype=args.dtype, device=args.device, attention_backend=args.attention_backend,
                        num_kv_pages=args.num_kv_pages, reference=False, max_num_batched_tokens=8192)  # fmt: skip
-    models = dict(m.split("=", 1) for m in args.model)
-    spec = sweep_speculation(models, base, args.concurrency, args.spec, args.adaptive) if models else []
-    exits: list[Row] = []
-    if args.exit_model:
-        label, path = args.exit_model.split("=", 1) if "=" in args.exit_model else ("-", args.exit_model)
-        exits = sweep_exit(label, path, base, args.concurrency, args.exit_thresholds)
     header = (f"Greedy, {args.input_len}-token random prompts, {args.output_len} output tokens each (ignore_eos), "
               f"all `concurrency` prompts submitted at once; median of {args.runs} run(s).")  # fmt: skip
-    text = render(spec, exits, header)
-    print(text)
-    if args.out:
-        with open(args.out, "w", encoding="utf-8") as f:
-            f.write(text)
-    if args.json:
-        with open(args.json, "w", encoding="utf-8") as f:
-            json.dump([asdict(r) for r in spec + exits], f, indent=2)
+    done: dict[str, list[Row]] = {"spec": [], "exit": []}
+
+    def write(kind: str) -> Callable[[list[Row]], None]:
+        def save(rows: list[Row]) -> None:  # after every mode, so a run cut short keeps what it measured
+            done[kind] = list(rows)
+            if args.out:
+                with open(args.out, "w", encoding="utf-8") as f:
+                    f.write(render(done["spec"], done["exit"], header))
+            if args.json:
+                with open(args.json, "w", encoding="utf-8") as f:
+                    json.dump([asdict(r) for r in done["spec"] + done["exit"]], f, indent=2)
+
+        return save
+
+    models = dict(m.split("=", 1) for m in args.model)
+    if models:
+        sweep_speculation(models, base, args.concurrency, args.spec, args.adaptive, write("spec"))
+    if args.exit_model:
+        label, path = args.exit_model.split("=", 1) if "=" in args.exit_model else ("-", args.exit_model)
+        sweep_exit(label, path, base, args.concurrency, args.exit_thresholds, write("exit"))
+    print(render(done["spec"], done["exit"], header))
     return 0
 
 
