@@ -18,6 +18,7 @@ each decode step at the weight-read floor.
 from __future__ import annotations
 
 import copy
+import gc
 import math
 import random
 import statistics
@@ -141,6 +142,72 @@ class BenchConfig:
     seed: int = 0
     peak_flops: float = H200_BF16_FLOPS
     peak_bandwidth: float = H200_BANDWIDTH
+    num_speculative_tokens: int = 0  # self-speculation: K (0: off)
+    speculative_draft_depth: int = 1
+    speculative_adaptive: bool = False
+    exit_threshold: float | None = None  # Ouro Q-exit (< 1 runs kv_layout="last_exited")
+    baseline: bool = False  # also measure plain decoding of the same workload: speedup column
+
+
+def engine_args(cfg: BenchConfig, plain: bool = False) -> dict[str, Any]:
+    """LLMEngine arguments for the workload; `plain` drops speculation (the speedup baseline)."""
+    checkpoint_loops = ModelConfig.from_pretrained(cfg.model).num_loops
+    spec = {} if plain or not cfg.num_speculative_tokens else dict(
+        num_speculative_tokens=cfg.num_speculative_tokens, speculative_draft_depth=cfg.speculative_draft_depth,
+        speculative_adaptive=cfg.speculative_adaptive)
+    return dict(
+        dtype=cfg.dtype,
+        device=cfg.device,
+        skip_tokenizer_init=True,
+        attention_backend=cfg.attention_backend,
+        gpu_memory_utilization=0.6,  # leaves room for the reference run in the same process
+        max_num_seqs=cfg.concurrency,
+        max_num_batched_tokens=cfg.max_num_batched_tokens,
+        long_prefill_token_threshold=min(cfg.long_prefill_token_threshold, cfg.max_num_batched_tokens),
+        num_kv_pages=cfg.num_kv_pages,
+        max_model_len=cfg.input_len + cfg.output_len + 1 + cfg.num_speculative_tokens,
+        max_loops=max(cfg.num_loops, checkpoint_loops) if cfg.num_loops else None,
+        kv_layout="last_exited" if cfg.exit_threshold is not None and cfg.exit_threshold < 1 else "separate",
+        enforce_eager=cfg.enforce_eager,
+        **spec,
+    )
+
+
+@dataclass
+class DepthStats:
+    """What speculation and early exit did during the measured runs (engine counter deltas)."""
+
+    core_calls: int = 0
+    output_tokens: int = 0
+    drafts: int = 0  # verify rounds
+    draft_tokens: int = 0
+    accepted_tokens: int = 0
+    sampled_loops: int = 0  # loops behind the plainly sampled tokens
+    sampled_tokens: int = 0
+
+    @classmethod
+    def delta(cls, before: Any, after: Any, output_tokens: int) -> DepthStats:
+        def loops(st: Any) -> tuple[int, int]:
+            return sum((d + 1) * c for d, c in st.sample_depth_counts.items()), sum(st.sample_depth_counts.values())
+
+        (l0, n0), (l1, n1) = loops(before), loops(after)
+        return cls(after.num_core_calls - before.num_core_calls, output_tokens, after.num_spec_drafts - before.num_spec_drafts,
+                   after.num_spec_draft_tokens - before.num_spec_draft_tokens,
+                   after.num_spec_accepted_tokens - before.num_spec_accepted_tokens, l1 - l0, n1 - n0)  # fmt: skip
+
+    @property
+    def acceptance_rate(self) -> float:
+        """Accepted / proposed draft tokens (vLLM's definition: untested drafts count as proposed)."""
+        return self.accepted_tokens / self.draft_tokens if self.draft_tokens else float("nan")
+
+    @property
+    def mean_loops(self) -> float:
+        """Mean loops of the state each plainly sampled token came from (early exit lowers it)."""
+        return self.sampled_loops / self.sampled_tokens if self.sampled_tokens else float("nan")
+
+    @property
+    def core_calls_per_token(self) -> float:
+        return self.core_calls / self.output_tokens if self.output_tokens else float("nan")
 
 
 def _prompts(n: int, length: int, vocab: int, seed: int) -> list[list[int]]:
@@ -154,13 +221,15 @@ def _sync(device: torch.device) -> None:
 
 
 def run_engine_once(
-    engine: Any, prompts: list[list[int]], output_len: int, tag: str, num_loops: int | None = None
+    engine: Any, prompts: list[list[int]], output_len: int, tag: str, num_loops: int | None = None,
+    exit_threshold: float | None = None,
 ) -> RunResult:
     """All prompts submitted at t=0; the engine's max_num_seqs bounds concurrency."""
     from rlt_serve.sampling_params import SamplingParams
 
     params = SamplingParams(
-        temperature=0.0, max_tokens=output_len, ignore_eos=True, detokenize=False, num_loops=num_loops
+        temperature=0.0, max_tokens=output_len, ignore_eos=True, detokenize=False, num_loops=num_loops,
+        exit_threshold=exit_threshold,
     )
     _sync(engine.device)
     t0 = time.perf_counter()
@@ -262,44 +331,46 @@ def _median(xs: list[float]) -> float:
     return statistics.median(xs) if xs else float("nan")
 
 
+def measure(engine: Any, cfg: BenchConfig, exit_threshold: float | None) -> tuple[list[RunResult], DepthStats]:
+    """Warm-up then measured runs of the workload on `engine`; the runs and what depth did."""
+    n_prompts = cfg.num_prompts or cfg.concurrency
+    vocab = engine.model_config.vocab_size
+    runs: list[RunResult] = []
+    before = None
+    for r in range(cfg.warmup + cfg.runs):
+        # A warm-up compiles kernels and grows the allocator: one wave of the same shapes, with few
+        # output tokens, is enough and keeps the bench short.
+        warm = r < cfg.warmup
+        n, out = (min(n_prompts, cfg.concurrency), min(cfg.output_len, 8)) if warm else (n_prompts, cfg.output_len)
+        if not warm and before is None:
+            before = copy.deepcopy(engine.stats())
+        prompts = _prompts(n, cfg.input_len, vocab, cfg.seed * 1000 + r)
+        res = run_engine_once(engine, prompts, out, f"run{r}", cfg.num_loops, exit_threshold)
+        if not warm:
+            runs.append(res)
+    depth = DepthStats.delta(before, engine.stats(), sum(r.output_tokens for r in runs))
+    return runs, depth
+
+
+def free_device_memory(device: torch.device) -> None:
+    """After the last reference to an engine is dropped: give its device memory back before the
+    next engine is built in this process."""
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
 def bench(cfg: BenchConfig) -> dict[str, Any]:
     """Run the workload; return the measurements, floors and the rendered table."""
     from rlt_serve.engine.llm_engine import LLMEngine
 
     n_prompts = cfg.num_prompts or cfg.concurrency
-    checkpoint_loops = ModelConfig.from_pretrained(cfg.model).num_loops
-    engine = LLMEngine(
-        cfg.model,
-        dtype=cfg.dtype,
-        device=cfg.device,
-        skip_tokenizer_init=True,
-        attention_backend=cfg.attention_backend,
-        gpu_memory_utilization=0.6,  # leaves room for the reference run in the same process
-        max_num_seqs=cfg.concurrency,
-        max_num_batched_tokens=cfg.max_num_batched_tokens,
-        long_prefill_token_threshold=min(cfg.long_prefill_token_threshold, cfg.max_num_batched_tokens),
-        num_kv_pages=cfg.num_kv_pages,
-        max_model_len=cfg.input_len + cfg.output_len + 1,
-        max_loops=max(cfg.num_loops, checkpoint_loops) if cfg.num_loops else None,
-        enforce_eager=cfg.enforce_eager,
-    )
+    engine = LLMEngine(cfg.model, **engine_args(cfg))
     mc = engine.model_config
     loops = cfg.num_loops or mc.num_loops
     roof = Roofline.from_checkpoint(cfg.model, mc, engine.dtype, loops, bandwidth=cfg.peak_bandwidth,
                                     flops=cfg.peak_flops)  # fmt: skip
-    runs: list[RunResult] = []
-    before = None
-    for r in range(cfg.warmup + cfg.runs):
-        if r == cfg.warmup:
-            before = copy.deepcopy(engine.stats())
-        # A warm-up compiles kernels and grows the allocator: one wave of the same shapes, with few
-        # output tokens, is enough and keeps the bench short.
-        warm = r < cfg.warmup
-        n, out = (min(n_prompts, cfg.concurrency), min(cfg.output_len, 8)) if warm else (n_prompts, cfg.output_len)
-        prompts = _prompts(n, cfg.input_len, mc.vocab_size, cfg.seed * 1000 + r)
-        res = run_engine_once(engine, prompts, out, f"run{r}", cfg.num_loops)
-        if not warm:
-            runs.append(res)
+    runs, depth = measure(engine, cfg, cfg.exit_threshold)
     backend = engine.runner.backend
     result: dict[str, Any] = {
         "config": asdict(cfg),
@@ -308,16 +379,18 @@ def bench(cfg: BenchConfig) -> dict[str, Any]:
         "backend": {"name": backend.name, "reason": backend.reason, "kernel": getattr(backend, "kernel", backend.name)},
         "roofline": asdict(roof),
         "runs": [asdict(r) | {"output_tps": r.output_tps} for r in runs],
+        "depth": asdict(depth) | {"acceptance_rate": depth.acceptance_rate, "mean_loops": depth.mean_loops,
+                                  "core_calls_per_token": depth.core_calls_per_token},
     }
+    engine_dtype, engine_device = engine.dtype, engine.device
     result |= _summary(cfg, roof, runs, n_prompts)
-    after = engine.stats()
-    fused = after.num_fused_decode_steps - before.num_fused_decode_steps
+    after = engine.stats()  # over every step, warm-up included
+    fused = after.num_fused_decode_steps
     result["graphs"] = {
         "sizes": engine.runner.graphs.sizes if engine.runner.graphs is not None else [],
         "disabled": engine.runner.graphs_disabled,
         "fused_decode_steps": fused,
-        "replays": after.num_cuda_graph_replays - before.num_cuda_graph_replays,
-        "core_calls": after.num_core_calls - before.num_core_calls,
+        "replays": after.num_cuda_graph_replays,
     }
     sites: dict[str, int] = {}
     result["host_syncs_per_decode_step"] = count_decode_syncs(engine, min(n_prompts, cfg.concurrency), mc.vocab_size,
@@ -325,11 +398,23 @@ def bench(cfg: BenchConfig) -> dict[str, Any]:
     result["host_sync_sites"] = sites
     if cfg.prefill_tokens:
         result["prefill"] = run_prefill_once(engine, roof, cfg.prefill_tokens, cfg.input_len, mc.vocab_size)
+    adaptive = bool(cfg.num_speculative_tokens) or (cfg.exit_threshold is not None and cfg.exit_threshold < 1)
+    if cfg.baseline and adaptive:
+        if cfg.num_speculative_tokens:  # plain decoding needs an engine without speculation
+            engine = None
+            free_device_memory(engine_device)
+            engine = LLMEngine(cfg.model, **engine_args(cfg, plain=True))
+        base_runs, base_depth = measure(engine, cfg, None)
+        base_tps = _median([r.output_tps for r in base_runs])
+        result["baseline"] = {"output_tps": base_tps, "core_calls_per_token": base_depth.core_calls_per_token,
+                              "speedup": result["measured"]["output_tps"] / base_tps}  # fmt: skip
+    engine = None
+    free_device_memory(engine_device)
     if cfg.reference:
         prompt = _prompts(1, cfg.input_len, mc.vocab_size, cfg.seed * 1000 + 999)[0]
         ref, times = None, []
         for _ in range(cfg.reference_runs):
-            t, ref = run_reference_once(cfg.model, engine.dtype, engine.device, prompt, cfg.output_len,
+            t, ref = run_reference_once(cfg.model, engine_dtype, engine_device, prompt, cfg.output_len,
                                         cfg.num_loops, ref)  # fmt: skip
             times.append(t)
         result["reference"] = {"runs_s": times, "output_tps": cfg.output_len / _median(times)}
@@ -416,6 +501,17 @@ def render(res: dict[str, Any]) -> str:
             f"{'prefill TFLOP/s (' + str(p['tokens']) + ' tokens)':<34}{p['tflops']:>12.4g}"
             f"{cfg['peak_flops'] / 1e12:>16.4g}{p['fraction_of_peak']:>10.1%}"
         )
+    d = res["depth"]
+    lines.append(f"{'core calls per output token':<34}{d['core_calls_per_token']:>12.4g}")
+    if cfg["num_speculative_tokens"]:
+        mode = "adaptive" if cfg["speculative_adaptive"] else f"draft depth {cfg['speculative_draft_depth']}"
+        lines.append(f"{'spec acceptance (K=' + str(cfg['num_speculative_tokens']) + ', ' + mode + ')':<34}"
+                     f"{d['acceptance_rate']:>12.3f}  ({d['accepted_tokens']}/{d['draft_tokens']} in {d['drafts']} rounds)")
+    if cfg["exit_threshold"] is not None:
+        lines.append(f"{'mean loops per sampled token':<34}{d['mean_loops']:>12.3f}  (exit_threshold {cfg['exit_threshold']})")
+    if "baseline" in res:
+        b = res["baseline"]
+        lines.append(f"{'plain decoding tok/s':<34}{b['output_tps']:>12.4g}{'speedup':>16}{b['speedup']:>9.2f}x")
     if "reference" in res:
         ref = res["reference"]
         lines.append(

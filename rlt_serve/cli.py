@@ -51,11 +51,25 @@ def cmd_generate(args: argparse.Namespace) -> int:
 def cmd_make_random_checkpoint(args: argparse.Namespace) -> int:
     from rlt_serve.testing import SHAPES, write_random_checkpoint
 
-    family, overrides = SHAPES[args.shape]
     t0 = time.perf_counter()
+    if args.source is not None:
+        from rlt_serve.testing import derive_update_scaled
+
+        if args.update_scale is None:
+            print("--from needs --update-scale", file=sys.stderr)
+            return 2
+        derive_update_scaled(args.source, args.dir, args.update_scale)
+        print(f"{args.dir}: {args.source} with update scale {args.update_scale} in {time.perf_counter() - t0:.1f}s")
+        return 0
+    if args.shape is None:
+        print("--shape is required (unless --from)", file=sys.stderr)
+        return 2
+    family, overrides = SHAPES[args.shape]
     write_random_checkpoint(args.dir, family, seed=args.seed, dtype=args.dtype,
-                            max_shard_bytes=args.max_shard_bytes, **overrides)  # fmt: skip
-    print(f"{args.dir}: random {args.shape} ({family}, {args.dtype}) in {time.perf_counter() - t0:.1f}s")
+                            max_shard_bytes=args.max_shard_bytes, update_scale=args.update_scale,
+                            **overrides)  # fmt: skip
+    scale = f", update scale {args.update_scale}" if args.update_scale is not None else ""
+    print(f"{args.dir}: random {args.shape} ({family}, {args.dtype}{scale}) in {time.perf_counter() - t0:.1f}s")
     return 0
 
 
@@ -79,10 +93,16 @@ def _add_tools(sub: Any) -> None:
 
     rnd = sub.add_parser("make-random-checkpoint", help="write a full-size random-weight checkpoint to DIR")
     rnd.add_argument("dir")
-    rnd.add_argument("--shape", required=True, choices=sorted(SHAPES))
+    rnd.add_argument("--shape", default=None, choices=sorted(SHAPES), help="required unless --from")
     rnd.add_argument("--dtype", default="bfloat16")
     rnd.add_argument("--seed", type=int, default=0)
     rnd.add_argument("--max-shard-bytes", type=int, default=2 << 30, help="memory peaks at about one shard")
+    rnd.add_argument("--update-scale", type=float, default=None,
+                     help="scale every layer's residual update, so shallow and deep predictions agree more "
+                          "(speculation and early-exit benchmarks; see recipes/spec_exit.md)")
+    rnd.add_argument("--from", dest="source", default=None,
+                     help="with --update-scale: derive from this sharded random checkpoint, symlinking its "
+                          "shards and rewriting only the update tensors (seconds instead of minutes)")
     rnd.set_defaults(func=cmd_make_random_checkpoint)
 
     b = sub.add_parser("bench", help="offline throughput/latency against the DESIGN §5 floors")
@@ -109,6 +129,11 @@ def _add_tools(sub: Any) -> None:
     b.add_argument("--prefill-tokens", type=int, default=0,
                    help="also time one prompt batch of at least this many tokens (prefill FLOP rate)")
     b.add_argument("--json", default=None, help="also write the measurements as JSON here")
+    b.add_argument("--num-speculative-tokens", type=int, default=0, help="self-speculation: drafts per round")
+    b.add_argument("--speculative-draft-depth", type=int, default=1, help="loops a draft runs")
+    b.add_argument("--speculative-adaptive", action="store_true", help="choose K and draft depth online")
+    b.add_argument("--exit-threshold", type=float, default=None, help="Ouro Q-exit threshold (< 1: early exit)")
+    b.add_argument("--baseline", action="store_true", help="also run plain decoding and report the speedup")
     b.set_defaults(func=cmd_bench)
 
 

@@ -289,7 +289,12 @@ class EngineConfig:
     enable_wavefront_prefill: bool = True  # WCPB: chunks of one prompt climb depths together
     enable_mixed_batching: bool = True  # decode rows and prompt rows share core calls
     swap_space_bytes: int = 1 << 30  # host memory for snapshots of preempted requests
-    delayed_exit: bool = False  # apply early-exit decisions one core call later (no gate readback wait)
+    # Early-exit readback. async_exit: the exact policy, decisions read back one call later without
+    # a blocking read (depths, states and tokens equal the synchronous policy's; a finished row may
+    # run one masked loop). delayed_exit: a different policy, each Q-exit decision applied one loop
+    # later (the token runs that loop for real and takes its logits from it); reads back likewise.
+    async_exit: bool = False
+    delayed_exit: bool = False
     num_speculative_tokens: int = 0  # self-speculation: drafts per round (0: off)
     speculative_draft_depth: int = 1  # loops a draft token runs before it is sampled
     speculative_adaptive: bool = False  # choose K (<= num_speculative_tokens) and depth online
@@ -327,6 +332,9 @@ class EngineConfig:
                 f"long_prefill_token_threshold={self.long_prefill_token_threshold} exceeds "
                 f"max_num_batched_tokens={self.max_num_batched_tokens}: a chunk must fit one core call"
             )
+        if self.async_exit and self.delayed_exit:
+            raise ConfigError("async_exit and delayed_exit are two exit policies; choose one (delayed_exit "
+                              "already reads its decisions back asynchronously)")
         if self.num_speculative_tokens < 0:
             raise ConfigError(f"num_speculative_tokens must be >= 0, got {self.num_speculative_tokens}")
         if self.num_speculative_tokens and self.speculative_draft_depth < 1:

@@ -183,19 +183,21 @@ class ReferenceModel:
 
     @torch.no_grad()
     def forward_q_exit(
-        self, ids: list[int], threshold: float, min_loops: int = 1, num_loops: int | None = None
+        self, ids: list[int], threshold: float, min_loops: int = 1, num_loops: int | None = None,
+        delay: bool = False,
     ) -> tuple[torch.Tensor, list[int]]:
         """Ouro's Q-exit with compute skipped: (logits [S, V], exit loop per token).
 
         Token t leaves at the first loop u with u + 1 >= min_loops and 1 - prod_{v<=u}(1 - sigmoid(g_v))
         >= threshold (fp32), else at the last loop; its logits come from that loop's state. Later
-        tokens read its K/V at loop min(u', exit) (the `last_exited` semantics)."""
+        tokens read its K/V at loop min(u', exit) (the `last_exited` semantics). `delay`: delayed
+        exit, the token runs one more loop after the rule fires (at most the last) and leaves there."""
         if not self.config.exit_gate:
             raise ConfigError(f"{self.config.model_type} has no exit gate")
-        return self._token_by_token(ids, self._num_loops(num_loops), shared=False, q=(threshold, min_loops))
+        return self._token_by_token(ids, self._num_loops(num_loops), shared=False, q=(threshold, min_loops, delay))
 
     def _token_by_token(
-        self, ids: list[int], loops: int, shared: bool, q: tuple[float, int] | None = None
+        self, ids: list[int], loops: int, shared: bool, q: tuple[float, int, bool] | None = None
     ) -> tuple[torch.Tensor, list[int]]:
         """One token at a time through its loops, against per-(layer, slot) lists of earlier K/V."""
         cfg, w, eps = self.config, self.weights, self.config.rms_norm_eps
@@ -209,7 +211,7 @@ class ReferenceModel:
             h = w["model.embed_tokens.weight"][tok : tok + 1]
             cos, sin = cos_all[..., t : t + 1, :], sin_all[..., t : t + 1, :]
             own: list[list[tuple[torch.Tensor, torch.Tensor]]] = [[] for _ in range(cfg.num_hidden_layers)]
-            remaining, exit_at = torch.ones((), dtype=torch.float32), loops - 1
+            remaining, exit_at, fired = torch.ones((), dtype=torch.float32), loops - 1, False
             for u in range(loops):
                 for i in range(cfg.num_hidden_layers):
                     p = f"model.layers.{i}."
@@ -234,10 +236,16 @@ class ReferenceModel:
                         m = rms_norm(m, w[p + "post_attention_layernorm_2.weight"], eps)
                     h = h + m
                 h = rms_norm(h, w["model.norm.weight"], eps)
+                if fired:  # delayed exit: this was the loop after the decision
+                    exit_at = u
+                    break
                 if q is not None and u + 1 < loops:
                     g = F.linear(h, w["model.early_exit_gate.weight"], w["model.early_exit_gate.bias"])
                     remaining = remaining * (1.0 - torch.sigmoid(g.float()).reshape(()))
                     if u + 1 >= q[1] and float(1.0 - remaining) >= q[0]:
+                        if q[2]:
+                            fired = True
+                            continue
                         exit_at = u
                         break
             for i in range(cfg.num_hidden_layers):  # publish this token's K/V for later tokens

@@ -222,12 +222,36 @@ def _param_specs(cfg: dict[str, Any]) -> list[tuple[str, tuple[int, ...], str]]:
 _STD = {"matrix": 0.02, "gate_weight": 0.25, "gate_bias": 1.0}
 
 
+# Tensors that scale what one layer adds to the residual stream, so scaling them by S scales every
+# loop's update: Ouro's post-sublayer ("sandwich") norms, Nanbeige's output projections. Huginn has
+# none (its blocks normalise the residual sum itself), so it gets no update scale.
+_UPDATE_SUFFIXES = {
+    "ouro": ("input_layernorm_2.weight", "post_attention_layernorm_2.weight"),
+    "nanbeige": ("self_attn.o_proj.weight", "mlp.down_proj.weight"),
+}
+
+
+def update_keys(model_type: str, keys: list[str]) -> list[str]:
+    """The keys an update scale multiplies (see `_UPDATE_SUFFIXES`)."""
+    if model_type not in _UPDATE_SUFFIXES:
+        raise ConfigError(f"update_scale: {model_type} has no per-loop update weights to scale (Ouro and Nanbeige do)")
+    return [k for k in keys if k.startswith("model.layers.") and k.endswith(_UPDATE_SUFFIXES[model_type])]
+
+
 def iter_random_weights(
-    cfg: dict[str, Any], seed: int = 0, dtype: torch.dtype = torch.float32
+    cfg: dict[str, Any], seed: int = 0, dtype: torch.dtype = torch.float32, update_scale: float | None = None
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """(key, weight) one tensor at a time, so a full-size checkpoint never sits in memory whole.
-    Deterministic per seed (a private generator leaves the caller's global RNG alone)."""
+    Deterministic per seed (a private generator leaves the caller's global RNG alone).
+
+    `update_scale` S multiplies every layer's residual update (`update_keys`): with S small a loop
+    barely moves the state, so shallow and deep predictions agree, which is what self-speculation
+    and early exit are measured against (random weights alone make every loop a new random map).
+    The draws are the same for any S, so S is the only difference between two such checkpoints."""
     gen = torch.Generator().manual_seed(seed)
+    scaled = set()
+    if update_scale is not None:
+        scaled = set(update_keys(cfg["model_type"], [key for key, _, _ in _param_specs(cfg)]))
     first: torch.Tensor | None = None
     for key, shape, kind in _param_specs(cfg):
         if kind in ("tied_copy", "rope_table"):
@@ -236,6 +260,8 @@ def iter_random_weights(
             continue
         noise = torch.randn(shape, generator=gen)
         w = noise.mul_(0.1).add_(1.0) if kind == "norm" else noise.mul_(_STD[kind])
+        if key in scaled:
+            w.mul_(update_scale)
         first = w if first is None else first
         yield key, w.to(dtype)
 
@@ -272,7 +298,10 @@ SHAPES: dict[str, tuple[str, dict[str, Any]]] = {
 }  # fmt: skip
 
 
-def _write_streamed(model_dir: str, cfg: dict[str, Any], seed: int, dtype: torch.dtype, max_shard_bytes: int) -> None:
+def _write_streamed(
+    model_dir: str, cfg: dict[str, Any], seed: int, dtype: torch.dtype, max_shard_bytes: int,
+    update_scale: float | None = None,
+) -> None:
     """Shard layout and index exactly as `save_checkpoint` writes them, but each shard is
     generated, written and freed in turn: memory peaks at about one shard."""
     itemsize = torch.empty((), dtype=dtype).element_size()
@@ -286,7 +315,7 @@ def _write_streamed(model_dir: str, cfg: dict[str, Any], seed: int, dtype: torch
         plan[-1].append(key)
         size += nbytes
         total += nbytes
-    weights = iter_random_weights(cfg, seed, dtype)
+    weights = iter_random_weights(cfg, seed, dtype, update_scale)
     if len(plan) == 1:
         save_checkpoint(model_dir, dict(weights))
         return
@@ -313,12 +342,13 @@ def write_random_checkpoint(
     dtype: str = "float32",
     max_shard_bytes: int | None = None,
     generation_config: dict[str, Any] | None = None,
+    update_scale: float | None = None,
     **config_overrides: Any,
 ) -> str:
     """Write config.json, weights (optionally sharded) and generation_config.json; return the dir.
 
     `config_overrides` are config.json fields (e.g. num_hidden_layers=3, head_dim=24,
-    total_ut_steps=3, tie_word_embeddings=True).
+    total_ut_steps=3, tie_word_embeddings=True). `update_scale`: see `iter_random_weights`.
     """
     torch_dtype = parse_dtype(dtype)
     name = str(torch_dtype).replace("torch.", "")
@@ -328,9 +358,9 @@ def write_random_checkpoint(
         json.dump(cfg, f, indent=2)
         f.write("\n")
     if max_shard_bytes is None:
-        save_checkpoint(model_dir, dict(iter_random_weights(cfg, seed, torch_dtype)))
+        save_checkpoint(model_dir, dict(iter_random_weights(cfg, seed, torch_dtype, update_scale)))
     else:
-        _write_streamed(model_dir, cfg, seed, torch_dtype, max_shard_bytes)
+        _write_streamed(model_dir, cfg, seed, torch_dtype, max_shard_bytes, update_scale)
     gen_path = os.path.join(model_dir, GENERATION_CONFIG_FILE)
     if generation_config is not None:
         with open(gen_path, "w", encoding="utf-8") as f:
@@ -339,6 +369,46 @@ def write_random_checkpoint(
     elif os.path.exists(gen_path):
         os.remove(gen_path)
     return model_dir
+
+
+def derive_update_scaled(src_dir: str, dst_dir: str, scale: float) -> str:
+    """A checkpoint equal to `src_dir` but with every residual update (`update_keys`) multiplied
+    by `scale`, written without copying the bulk: the other shards are symlinked and only the
+    (small) update tensors go to a new shard named in a rewritten index. Needs a sharded source
+    (`max_shard_bytes`), since a single file cannot be partly replaced. Returns `dst_dir`."""
+    from safetensors import safe_open
+
+    index_path = os.path.join(src_dir, INDEX_FILE)
+    if not os.path.isfile(index_path):
+        raise ConfigError(f"{src_dir}: deriving an update-scaled copy needs a sharded checkpoint ({INDEX_FILE}); "
+                          "write it with max_shard_bytes")
+    with open(os.path.join(src_dir, "config.json"), encoding="utf-8") as f:
+        cfg = json.load(f)
+    with open(index_path, encoding="utf-8") as f:
+        index = json.load(f)
+    weight_map: dict[str, str] = index["weight_map"]
+    keys = update_keys(cfg["model_type"], list(weight_map))
+    os.makedirs(dst_dir, exist_ok=True)
+    scaled: dict[str, torch.Tensor] = {}
+    for key in keys:
+        with safe_open(os.path.join(src_dir, weight_map[key]), framework="pt") as f:
+            scaled[key] = f.get_tensor(key) * scale
+    shard = "model-update-scaled.safetensors"
+    save_file(scaled, os.path.join(dst_dir, shard), metadata={"format": "pt"})
+    for name in set(weight_map.values()):
+        link = os.path.join(dst_dir, name)
+        if os.path.lexists(link):
+            os.remove(link)
+        os.symlink(os.path.abspath(os.path.join(src_dir, name)), link)
+    for name in os.listdir(src_dir):  # config, generation config, tokenizer files
+        if name.endswith(".json") and name != INDEX_FILE or name.startswith("tokenizer"):
+            with open(os.path.join(src_dir, name), "rb") as f, open(os.path.join(dst_dir, name), "wb") as g:
+                g.write(f.read())
+    index["weight_map"] = {k: shard if k in scaled else v for k, v in weight_map.items()}
+    with open(os.path.join(dst_dir, INDEX_FILE), "w", encoding="utf-8") as f:
+        json.dump(index, f, indent=2)
+        f.write("\n")
+    return dst_dir
 
 
 def random_attention_call(

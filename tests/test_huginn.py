@@ -259,7 +259,7 @@ def test_exit_criteria_match_oracle(ckpt, criterion, threshold):
     [
         ("kl", 1e-3, dict(min_loops=3, exit_check_interval=2), dict(num_kv_pages=8, swap_space_bytes=80 << 10)),
         ("latent-diff", 0.2, dict(min_loops=2), dict(num_kv_pages=7, swap_space_bytes=0)),
-        ("entropy-diff", 4e-4, dict(exit_check_interval=3), dict(delayed_exit=True, enable_mixed_batching=False)),
+        ("entropy-diff", 4e-4, dict(exit_check_interval=3), dict(async_exit=True, enable_mixed_batching=False)),
     ],
     ids=["swap+recompute", "recompute", "delayed-phase-separated"],
 )
@@ -377,8 +377,9 @@ def test_cache_option_rejections(ckpt, tmp_path):
     ouro = write_random_checkpoint(str(tmp_path / "ouro"), "ouro")
     with pytest.raises(ConfigError, match="Huginn option"):
         LLMEngine(ouro, device="cpu", skip_tokenizer_init=True, huginn_cache="full")
-    with pytest.raises(ConfigError, match="not implemented"):
-        _engine(path, num_speculative_tokens=2, speculative_draft_depth=1)
+    with pytest.raises(ConfigError, match="ring"):
+        _engine(path, num_speculative_tokens=2, speculative_draft_depth=1, huginn_cache="compress-s4",
+                long_prefill_token_threshold=1, enable_wavefront_prefill=False)
 
 
 # -- scheduling features -------------------------------------------------------------------------

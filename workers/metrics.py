@@ -3,8 +3,10 @@
 The engine keeps cumulative counters in `EngineStats`; they are exported as they are read (a
 collector over the latest snapshot) rather than mirrored into prometheus_client Counters, so the
 engine stays the one source of truth. That includes the exit-depth histogram, which the engine
-already counts per token leaving the core (prompt, generated and draft tokens alike; with fixed
-depth every token exits at num_loops - 1). The other histograms are observed by the worker loop:
+already counts per token leaving the core (prompt and generated tokens and verify rows; a draft
+does not leave the core, its verify row resumes it; with fixed depth every token exits at
+num_loops - 1), the loops behind each plainly sampled token, and speculation's per-position
+acceptance and draft depth. The other histograms are observed by the worker loop:
 per core call (rows, depths, tokens, step time) and per request (prefill and decode time as this
 worker sees them). The router relabels the text with the worker
 id and merges it into its own /metrics.
@@ -43,6 +45,7 @@ COUNTERS = (
     "rlt:spec_decode_num_drafts_total",
     "rlt:spec_decode_num_draft_tokens_total",
     "rlt:spec_decode_num_accepted_tokens_total",
+    "rlt:spec_decode_num_accepted_tokens_per_pos_total",  # label position: rounds whose draft i was kept
 )
 HISTOGRAMS = (
     "rlt:core_call_rows",
@@ -50,6 +53,8 @@ HISTOGRAMS = (
     "rlt:core_call_tokens",
     "rlt:loops_per_token",
     "rlt:exit_depth",
+    "rlt:generation_loops_per_token",
+    "rlt:spec_decode_draft_depth",
     "rlt:engine_step_seconds",
     "rlt:request_prefill_time_seconds",
     "rlt:request_decode_time_seconds",
@@ -114,10 +119,28 @@ class _StatsCollector(Collector):
         yield counter(
             "rlt:spec_decode_num_accepted_tokens_total", "Draft tokens accepted.", st.num_spec_accepted_tokens
         )
+        per_pos = CounterMetricFamily(
+            "rlt:spec_decode_num_accepted_tokens_per_pos", "Verify rounds whose draft at this position was accepted.",
+            labels=["position"],
+        )
+        for i, count in enumerate(st.spec_accepted_per_pos or [0]):
+            per_pos.add_metric([str(i)], count)
+        yield per_pos
         counts = st.exit_depth_counts
         yield _histogram("rlt:exit_depth", "Depth (0-based) at which a token left the core.", counts, _EXIT)
         loops = {d + 1: c for d, c in counts.items()}
         yield _histogram("rlt:loops_per_token", "Loops a token ran before leaving the core.", loops, _DEPTHS)
+        gen = {d + 1: c for d, c in st.sample_depth_counts.items()}
+        yield _histogram(
+            "rlt:generation_loops_per_token",
+            "Loops of the state each plainly sampled token came from (early exit lowers it).",
+            gen,
+            _DEPTHS,
+        )
+        yield _histogram(
+            "rlt:spec_decode_draft_depth", "Loops a round's drafts ran (adaptive speculation picks it).",
+            st.spec_draft_depth_counts, _DEPTHS,
+        )
 
 
 def _histogram(name: str, doc: str, counts: dict[int, int], bounds: tuple[float, ...]) -> HistogramMetricFamily:

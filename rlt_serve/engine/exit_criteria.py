@@ -111,13 +111,15 @@ def needs_distribution(seq: Sequence, span: Span) -> bool:
 
 
 def exit_step(
-    seq: Sequence, span: Span, hidden: torch.Tensor, gate_logits: torch.Tensor | None, logits: torch.Tensor | None
+    seq: Sequence, span: Span, hidden: torch.Tensor, gate_logits: torch.Tensor | None, logits: torch.Tensor | None,
+    delay: bool = False,
 ) -> torch.Tensor:
-    """Update the span's exit state after step `span.depth`; the mask of tokens leaving now."""
+    """Update the span's exit state after step `span.depth`; the mask of tokens leaving now.
+    `delay` (delayed exit, Q-exit only) applies each decision one loop later."""
     st, d = span.exit, span.depth
     if not isinstance(st, CriterionExit):
         p = seq.params
-        return q_exit_step(st, gate_logits, hidden, d, p.exit_threshold, p.min_loops or 1, seq.num_loops)
+        return q_exit_step(st, gate_logits, hidden, d, p.exit_threshold, p.min_loops or 1, seq.num_loops, delay)
     want = st.target == d
     if st.decides and is_check_step(seq, d):
         want = want | _criterion_met(seq, st, hidden, logits)

@@ -6,6 +6,12 @@ t + 1 >= min_loops and CDF(t) >= q (the last allowed loop otherwise), and its lo
 that loop's normalised state. Unlike the official code, an exited token stops: its row stops
 consuming compute, and later tokens read its deeper KV through the `last_exited` layout.
 Everything is fp32, so exit depths do not depend on the model dtype's rounding of the CDF.
+
+Delayed exit (`delay=True`) is a different policy, not a different schedule: a decision taken
+after loop t is applied after loop t+1, so the token leaves at min(t+1, max_loops-1). That extra
+loop is a real one: its K/V is written (later tokens read it, and `last_exited` fills deeper
+slots from it) and its state feeds the logits. The host then learns "every token of the row has
+exited after this loop" one call ahead, so no loop is wasted and nobody waits on the gate.
 """
 
 from __future__ import annotations
@@ -23,6 +29,7 @@ class ExitState:
     exited: torch.Tensor  # [n] bool
     depth: torch.Tensor  # [n] long, exit depth (valid where exited)
     hidden: torch.Tensor  # [n, H] state at the exit depth (what the coda reads)
+    decided: torch.Tensor  # [n] bool, delayed exit: the rule fired, the token leaves after the next loop
 
     @classmethod
     def new(cls, hidden: torch.Tensor) -> "ExitState":
@@ -33,24 +40,62 @@ class ExitState:
             exited=torch.zeros(n, dtype=torch.bool, device=dev),
             depth=torch.zeros(n, dtype=torch.long, device=dev),
             hidden=torch.empty_like(hidden),
+            decided=torch.zeros(n, dtype=torch.bool, device=dev),
         )
 
     def to(self, device: torch.device | str) -> "ExitState":
-        return ExitState(*(t.to(device) for t in (self.remaining, self.exited, self.depth, self.hidden)))
+        return ExitState(*(t.to(device) for t in (self.remaining, self.exited, self.depth, self.hidden, self.decided)))
 
 
 def q_exit_step(
     state: ExitState, gate_logits: torch.Tensor, hidden: torch.Tensor, depth: int, threshold: float,
-    min_loops: int, max_loops: int,
+    min_loops: int, max_loops: int, delay: bool = False,
 ) -> torch.Tensor:
     """Update `state` after loop `depth`; returns the mask of tokens that exit at this depth."""
     lam = torch.sigmoid(gate_logits.float())
     cdf = 1.0 - state.remaining * (1.0 - lam)
     allowed = depth + 1 >= min_loops
     last = depth + 1 >= max_loops
-    new = ~state.exited & ((cdf >= threshold) & allowed | last)
+    rule = (cdf >= threshold) & allowed
+    if delay:
+        new = ~state.exited & (state.decided | last)
+        state.decided |= ~state.exited & ~new & rule
+    else:
+        new = ~state.exited & (rule | last)
     state.remaining = state.remaining * (1.0 - lam)
     state.exited |= new
     state.depth = torch.where(new, depth, state.depth)
     state.hidden[new] = hidden[new]
     return new
+
+
+def row_done_flag(state: ExitState, delay: bool) -> torch.Tensor:
+    """[] bool on the device: every token of the row has left the core after this loop (delayed
+    exit: will have left after the next one, since every decided token leaves then)."""
+    return (state.exited | state.decided).all() if delay else state.exited.all()
+
+
+class ExitReadback:
+    """One core call's per-row done flags on their way to the host without a blocking read.
+
+    On CUDA the flags are copied non-blocking into pinned memory and an event marks the copy;
+    `get` waits on that event only, which a call later has long completed, never on work enqueued
+    after it (a plain `.item()` would wait for the whole stream, i.e. the call just launched)."""
+
+    def __init__(self, flags: torch.Tensor) -> None:
+        self._event = None
+        self._values: list[bool] | None = None
+        if flags.is_cuda:
+            self._host = torch.empty(flags.shape, dtype=torch.bool, pin_memory=True)
+            self._host.copy_(flags, non_blocking=True)
+            self._event = torch.cuda.Event()
+            self._event.record()
+        else:
+            self._host = flags
+
+    def get(self, i: int) -> bool:
+        if self._values is None:
+            if self._event is not None:
+                self._event.synchronize()
+            self._values = self._host.tolist()
+        return self._values[i]

@@ -58,6 +58,11 @@ class EngineStats:
     exit_depth_counts: dict[int, int] = field(default_factory=dict)  # depth a token left the core -> tokens
     num_fused_decode_steps: int = 0  # decode batches that ran every loop in one step
     num_cuda_graph_replays: int = 0  # ... of which replayed a captured CUDA graph
+    # Depth of the state each plainly sampled token's logits came from (its decode row's exit
+    # depth; speculative tokens are full depth by construction and are not counted here).
+    sample_depth_counts: dict[int, int] = field(default_factory=dict)
+    spec_accepted_per_pos: list[int] = field(default_factory=list)  # rounds whose draft i was accepted
+    spec_draft_depth_counts: dict[int, int] = field(default_factory=dict)  # verify rounds per draft depth
     last_num_rows: int = 0
     last_num_depths: int = 0  # distinct depths in the last core call
     last_num_tokens: int = 0
@@ -154,8 +159,11 @@ class LLMEngine:
         if cfg.kv_layout == "shared":
             raise ConfigError("self-speculative decoding cannot run with kv_layout='shared' (drafts would "
                               "overwrite the slot later tokens read)")
-        if self.runner.model.coda_attention:
-            raise ConfigError(f"self-speculative decoding is not implemented for {self.model_config.model_type}")
+        if self.runner.ring:
+            raise ConfigError(f"self-speculative decoding cannot run with huginn_cache={cfg.huginn_cache!r} (a ring "
+                              "slot holds one step per position; drafts would overwrite what later tokens read)")
+        # Huginn's coda attends too: a draft's coda K/V (from its shallow state) is overwritten by
+        # the verify row's full-depth coda at the same positions before any committed token reads it.
 
     def _eos_token_ids(self) -> set[int]:
         ids = set(self.model_config.eos_token_ids)
@@ -214,6 +222,9 @@ class LLMEngine:
                     f"num_loops: {p.num_loops} exceeds the engine's max_loops={self.runner.max_loops} depth slots"
                 )
         if p.exit_criterion is not None:
+            if self.engine_config.delayed_exit:
+                raise ValueError("exit_criterion: delayed_exit applies to Ouro's Q-exit only; use async_exit "
+                                 "(the exact policy) with Huginn's criteria")
             self._validate_criterion(p)
         elif p.exit_threshold is not None and p.exit_threshold < 1.0:
             if mc.model_type == HUGINN:
@@ -286,6 +297,8 @@ class LLMEngine:
             st.num_prompt_tokens += max(0, min(span.end, seq.num_prompt_tokens) - span.start)
         for d in result.exit_depths:
             st.exit_depth_counts[d] = st.exit_depth_counts.get(d, 0) + 1
+        for d in result.sample_depths:
+            st.sample_depth_counts[d] = st.sample_depth_counts.get(d, 0) + 1
         for seq, start, logits in result.prompt_logits:
             self._record_prompt_logprobs(seq, start, logits)
         for seq, logits in result.draft_logits:  # drafts are drawn from the shallow distribution
@@ -339,6 +352,11 @@ class LLMEngine:
             if token != draft or status is not None:
                 break
         st.num_spec_accepted_tokens += accepted
+        st.spec_draft_depth_counts[depth] = st.spec_draft_depth_counts.get(depth, 0) + 1
+        if len(st.spec_accepted_per_pos) < len(drafts):
+            st.spec_accepted_per_pos += [0] * (len(drafts) - len(st.spec_accepted_per_pos))
+        for i in range(accepted):
+            st.spec_accepted_per_pos[i] += 1
         # Positions after the first rejection were never tested; count only what was.
         self.scheduler.spec.record(depth, committed, accepted)
         seq.num_computed = start + committed

@@ -18,6 +18,7 @@ from rlt_serve.config import ConfigError, EngineConfig, ModelConfig, core_ring_s
 from rlt_serve.engine.cuda_graph import DecodeGraphs, graph_support
 from rlt_serve.engine.kv_cache import KVCache
 from rlt_serve.engine.exit_criteria import exit_step, needs_distribution, new_exit_state, record_exit_depths
+from rlt_serve.engine.exit_policy import ExitReadback, row_done_flag
 from rlt_serve.engine.scheduler import Row, SchedulerOutput
 from rlt_serve.engine.sequence import Sequence, Span
 from rlt_serve.loader import load_into_module
@@ -34,6 +35,7 @@ class RunnerOutput:
     # (sequence, first position, logits [n, V]) whose rows predict prompt tokens position+1...
     prompt_logits: list[tuple[Sequence, int, torch.Tensor]] = field(default_factory=list)
     exit_depths: list[int] = field(default_factory=list)  # depth at which each token left the core
+    sample_depths: list[int] = field(default_factory=list)  # per sample_seqs: depth of the state sampled from
     draft_logits: list[tuple[Sequence, torch.Tensor]] = field(default_factory=list)  # shallow [1, V]
     verify_logits: list[tuple[Sequence, torch.Tensor]] = field(default_factory=list)  # full depth [K, V]
     num_core_calls: int = 0  # core passes over a batch (a fused decode step counts each loop)
@@ -49,6 +51,7 @@ class RunnerOutput:
             self.sample_seqs += other.sample_seqs
         self.prompt_logits += other.prompt_logits
         self.exit_depths += other.exit_depths
+        self.sample_depths += other.sample_depths
         self.draft_logits += other.draft_logits
         self.verify_logits += other.verify_logits
         self.num_core_calls += other.num_core_calls
@@ -172,7 +175,8 @@ class ModelRunner:
         if logits is not None:
             if self.fills_deeper_slots:
                 self._fill_deeper_slots([(seq, span, torch.ones(1, dtype=torch.bool, device=self.device)) for seq, span in rows])
-            out = RunnerOutput([seq for seq, _ in rows], logits, exit_depths=[loops - 1] * len(rows))
+            out = RunnerOutput([seq for seq, _ in rows], logits, exit_depths=[loops - 1] * len(rows),
+                               sample_depths=[loops - 1] * len(rows))
             out.num_graph_replays = 1
         else:
             self._prelude(rows)
@@ -222,7 +226,7 @@ class ModelRunner:
         for (seq, span), h, g in zip(rows, self._split(rows, core.hidden), gates):
             span.hidden = h
             if span.exit is not None:
-                new = exit_step(seq, span, h, g, dists.get(id(span)))
+                new = exit_step(seq, span, h, g, dists.get(id(span)), self.engine_config.delayed_exit)
                 fills.append((seq, span, new))
                 adaptive.append(span)
             elif span.depth + 1 == (span.stop_depth or seq.num_loops):
@@ -256,23 +260,28 @@ class ModelRunner:
         return {id(span): row for (_, span), row in zip(picked, logits)}
 
     def _decide_exits(self, rows: list[Row], adaptive: list[Span]) -> None:
-        """Whether each adaptive row has left the core entirely.
+        """Whether each adaptive row has left the core entirely (`span.finished`).
 
-        Synchronous: one host read per call, of this call's gate decisions. Delayed: the read is of
-        the previous call's decisions, which finished long ago, so the host never waits on this
-        call's gate; a row whose tokens all exited at depth t therefore computes one extra loop,
-        whose K/V writes are masked and whose state is never read (the logits come from the
-        stored exit-depth state), so tokens and exit depths equal the synchronous policy's."""
-        seq_of = {id(span): seq for seq, span in rows}
-        if not self.engine_config.delayed_exit:
-            done = torch.stack([span.exit.exited.all() for span in adaptive]).tolist()
-            for span, d in zip(adaptive, done):
-                span.finished = d
+        Synchronous (default): one blocking host read per call, of this call's decisions.
+        Asynchronous (`async_exit`, the exact policy): this call's flags start a non-blocking copy
+        to pinned host memory and are read one call later, when they have long arrived, so the host
+        never waits on the gate. A row whose tokens all exited at depth t therefore runs one more
+        loop; its K/V writes are masked (exited tokens never write) and its state is never read
+        (the coda reads the stored exit-depth state), so exit depths, states and tokens equal the
+        synchronous policy's bit for bit. Delayed exit (`delayed_exit`) reads back the same way,
+        but its decisions take effect one loop later (exit_policy), so no loop is wasted."""
+        ec = self.engine_config
+        delay = ec.delayed_exit
+        flags = torch.stack([row_done_flag(span.exit, delay) for span in adaptive])
+        if not (delay or ec.async_exit):
+            for span, done in zip(adaptive, flags.tolist()):
+                span.finished = done
             return
-        for span in adaptive:
-            seq = seq_of[id(span)]
-            prev, span.pending_done = span.pending_done, span.exit.exited.all()
-            span.finished = span.depth + 1 >= seq.num_loops or (prev is not None and bool(prev))
+        seq_of = {id(span): seq for seq, span in rows}
+        readback = ExitReadback(flags)
+        for i, span in enumerate(adaptive):
+            prev, span.pending_done = span.pending_done, (readback, i)
+            span.finished = span.depth + 1 >= seq_of[id(span)].num_loops or (prev is not None and prev[0].get(prev[1]))
 
     def _fill_deeper_slots(self, fills: list[tuple[Sequence, Span, torch.Tensor]]) -> None:
         """`last_exited`: a token leaving the core at depth e copies its slot e into e+1..D-1, so
@@ -309,22 +318,27 @@ class ModelRunner:
         if not exiting:
             return out
         model = self.model
+        last_depth: dict[int, int] = {}  # per row: depth its last token left the core at
         for seq, span in exiting:  # adaptive rows read each token's state at its own exit depth
             if span.exit is not None:
                 span.hidden = span.exit.hidden
                 depths = span.exit.depth.tolist()
                 record_exit_depths(seq, span, depths)
                 out.exit_depths += depths
-            else:
+                last_depth[id(span)] = depths[-1]
+            elif span.kind != "draft":  # a draft does not leave the core: its verify row resumes it
                 out.exit_depths += [span.depth] * span.num_tokens
-        if model.coda_attention:  # every exiting token writes its coda KV, later tokens read it
+                last_depth[id(span)] = span.depth
+        # What the head reads per row. With coda attention every exiting token writes its coda K/V
+        # (later tokens read it); a draft's span keeps its core state, which its verify row resumes.
+        out_hidden = {id(span): span.hidden for _, span in exiting}
+        if model.coda_attention:
             coded = model.coda(
                 torch.cat([span.hidden for _, span in exiting]),
                 self._positions(exiting, self.device),
                 self._context(exiting, core=False),
             )
-            for (_, span), h in zip(exiting, self._split(exiting, coded)):
-                span.hidden = h
+            out_hidden = {id(span): h for (_, span), h in zip(exiting, self._split(exiting, coded))}
         picks: list[torch.Tensor] = []
         prompt_parts: list[tuple[Sequence, int, int]] = []
         for seq, span in exiting:
@@ -334,16 +348,17 @@ class ModelRunner:
                 stop = min(span.end, seq.num_prompt_tokens - 1)
                 if stop > first:
                     prompt_parts.append((seq, first, stop - first))
-                    picks.append(span.hidden[first - span.start : stop - span.start])
+                    picks.append(out_hidden[id(span)][first - span.start : stop - span.start])
         spec: list[tuple[Span, Sequence, int]] = []
         for seq, span in exiting:
             if span.kind != "normal":  # self-speculation: every position of the row is needed
                 spec.append((span, seq, span.num_tokens))
-                picks.append(span.hidden)
+                picks.append(out_hidden[id(span)])
         for seq, span in exiting:
             if span.kind == "normal" and span.end == seq.num_tokens:
                 out.sample_seqs.append(seq)
-                picks.append(span.hidden[-1:])
+                out.sample_depths.append(last_depth[id(span)])
+                picks.append(out_hidden[id(span)][-1:])
         if not picks:
             return out
         selected = torch.cat(picks)

@@ -122,9 +122,12 @@ class Scheduler:
                 return None
             return Span(pos, pos + 1, kind="draft", stop_depth=depth)
         hidden = torch.cat([span.hidden for span in seq.draft_spans])
+        injected = None  # Huginn re-injects the prelude output at every step: the verify row resumes it too
+        if seq.draft_spans[0].injected is not None:
+            injected = torch.cat([span.injected for span in seq.draft_spans])
         seq.draft_spans.clear()
         start = seq.num_computed
-        return Span(start, start + k, depth=depth, hidden=hidden, kind="verify")
+        return Span(start, start + k, depth=depth, hidden=hidden, injected=injected, kind="verify")
 
     def _spec_round(self, seq: Sequence) -> tuple[int, int]:
         """(K, draft depth) for `seq`: fixed for a round once its first draft starts; K = 0 turns
@@ -148,8 +151,10 @@ class Scheduler:
             if seq.status is not SequenceStatus.RUNNING or seq.decoding:
                 continue
             for i, span in enumerate(seq.spans):
-                ready = i == 0 or seq.spans[i - 1].depth > span.depth  # (c-1, d) is done
-                if ready and span.num_tokens <= p.budget:
+                # (c-1, d) is done. An early-exited chunk waits to retire in chunk order without
+                # running again; its tokens' deeper planes are already filled (last_exited).
+                ready = i == 0 or seq.spans[i - 1].finished or seq.spans[i - 1].depth > span.depth
+                if ready and not span.finished and span.num_tokens <= p.budget:
                     p.add(seq, span)
             # A replay of recorded exits runs its spans in order: a span's coda reads the coda K/V
             # of the spans before it, which exist only once those have left the core.

@@ -40,7 +40,7 @@ class Span:
     injected: torch.Tensor | None = None  # prelude output re-injected at every depth (Huginn)
     exit: ExitState | None = None  # per-token early-exit accumulators (adaptive depth)
     finished: bool = False  # every token has left the core; set by the runner
-    pending_done: torch.Tensor | None = None  # delayed exit: last call's all-exited flag, read next call
+    pending_done: tuple | None = None  # async/delayed exit: (ExitReadback, row index) of the last call
     kind: str = "normal"  # "draft": a shallow speculative row; "verify": drafts resumed to full depth
     stop_depth: int | None = None  # leave the core after this many loops (None: the request's)
 
