@@ -35,6 +35,9 @@ class RunnerOutput:
     exit_depths: list[int] = field(default_factory=list)  # depth at which each token left the core
     draft_logits: list[tuple[Sequence, torch.Tensor]] = field(default_factory=list)  # shallow [1, V]
     verify_logits: list[tuple[Sequence, torch.Tensor]] = field(default_factory=list)  # full depth [K, V]
+    # Prefill-only requests (PD): the post-coda state [1, H] of the last prompt position, which
+    # the decode side feeds to `compute_logits` instead of sampling here.
+    final_states: list[tuple[Sequence, torch.Tensor]] = field(default_factory=list)
 
 
 class ModelRunner:
@@ -259,6 +262,10 @@ class ModelRunner:
                 picks.append(span.hidden)
         for seq, span in exiting:
             if span.kind == "normal" and span.end == seq.num_tokens:
+                if seq.pd_role == "prefill":
+                    last = span.hidden[-1:]
+                    out.final_states.append((seq, last if model.coda_attention else model.coda(last, None, None)))
+                    continue
                 out.sample_seqs.append(seq)
                 picks.append(span.hidden[-1:])
         if not picks:

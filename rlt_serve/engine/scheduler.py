@@ -232,7 +232,7 @@ class Scheduler:
 
         Admission only evicts strictly lower priority, so equal-priority arrivals never thrash."""
         for cand in reversed(self.running):  # sorted by order_key; worst last
-            if cand is seq or id(cand) in p.scheduled or not cand.page_table:
+            if cand is seq or id(cand) in p.scheduled or not cand.page_table or cand.transfer_pinned:
                 continue
             worse = cand.priority > seq.priority if admitting else cand.order_key > seq.order_key
             return cand if worse else None
