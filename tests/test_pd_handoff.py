@@ -105,7 +105,9 @@ class PD:
             assert self.dec.check_generation(chunk.request_id, res.generation)
             copy_chunk(self.pre, self.dec, chunk, res)
             self.pages_sent[chunk.request_id] += len(chunk.page_ids)
-            assert self.dec.commit_kv_chunk(chunk.request_id, res.generation, chunk.first_page, len(chunk.page_ids))
+            assert self.dec.commit_kv_chunk(chunk.request_id, res.generation, chunk.first_page,
+                                            len(chunk.page_ids), chunk.last)
+            assert self.dec.remote_prefill_ready(chunk.request_id) == chunk.last
             if chunk.last:
                 state = chunk.final_state.clone()
                 if self.via_slot:  # what a transport does: the state rides in the registered slot buffer

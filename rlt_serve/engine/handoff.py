@@ -98,6 +98,7 @@ class _Remote:
     slot: int
     cached_pages: int
     received: set[int] = field(default_factory=set)
+    got_last: bool = False  # the chunk carrying the final state has landed
 
 
 class Handoff:
@@ -261,7 +262,7 @@ class Handoff:
         r = self._remotes.get(request_id)
         return r is not None and r.seq.kv_generation == generation
 
-    def commit(self, request_id: str, generation: int, first_page: int, num_pages: int) -> bool:
+    def commit(self, request_id: str, generation: int, first_page: int, num_pages: int, last: bool) -> bool:
         if not self.check_generation(request_id, generation):
             return False
         r = self._remotes[request_id]
@@ -270,7 +271,14 @@ class Handoff:
             raise ValueError(f"{request_id!r}: pages [{first_page}, {first_page + num_pages}) are outside the "
                              f"reservation's uncached pages [{r.cached_pages}, {n})")
         r.received.update(range(first_page, first_page + num_pages))
+        r.got_last |= last
         return True
+
+    def ready(self, request_id: str) -> bool:
+        """Every uncached page and the final state have landed (notifications of separate writes
+        may arrive in any order, so the last chunk's is not enough)."""
+        r = self._remotes.get(request_id)
+        return r is not None and r.got_last and len(r.received) == len(r.seq.page_table) - r.cached_pages
 
     def activate(
         self, request_id: str, generation: int, final_state: torch.Tensor | None, model_state: dict[str, Any] | None

@@ -209,9 +209,16 @@ class LLMEngine:
         """Allocate the pages a remotely computed prompt lands in (prefix-cache hits reused)."""
         return self.handoff.reserve(request_id, prompt_token_ids, params, prompt, priority)
 
-    def commit_kv_chunk(self, request_id: str, generation: int, first_page: int, num_pages: int) -> bool:
-        """Record that pages [first_page, first_page + num_pages) of a reservation have landed."""
-        return self.handoff.commit(request_id, generation, first_page, num_pages)
+    def commit_kv_chunk(
+        self, request_id: str, generation: int, first_page: int, num_pages: int, last: bool = False
+    ) -> bool:
+        """Record that pages [first_page, first_page + num_pages) of a reservation (and, with
+        `last`, the final state) have landed; False for a stale generation (nothing recorded)."""
+        return self.handoff.commit(request_id, generation, first_page, num_pages, last)
+
+    def remote_prefill_ready(self, request_id: str) -> bool:
+        """Every page and the final state of a reservation have been committed: activate it."""
+        return self.handoff.ready(request_id)
 
     def check_generation(self, request_id: str, generation: int) -> bool:
         """Whether a transfer tagged (request_id, generation) may land: the reservation is live."""
