@@ -171,16 +171,18 @@ def test_regions_merge_runs_and_check_layouts():
         make_agent("tcp", "x", [])
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
 @pytest.mark.parametrize("kind", _transports())
-def test_engine_handoff_over_transport(kind, tmp_checkpoint):
+def test_engine_handoff_over_transport(kind, device, tmp_checkpoint):
     """Two engines joined by real agents: chunks pushed as reported, committed on notification,
-    released on ack; outputs equal one engine and every page, slot and handle comes back."""
+    released on ack; outputs equal one engine and every page, slot and handle comes back. On a GPU
+    the agents register device memory (NIXL VRAM)."""
     from rlt_serve.engine.llm_engine import LLMEngine
     from rlt_serve.sampling_params import SamplingParams
     from workers.transfer import chunk_regions
 
     path = tmp_checkpoint("ouro", seed=3)
-    kw = dict(dtype="float32", device="cpu", skip_tokenizer_init=True, page_size=4, num_kv_pages=96,
+    kw = dict(dtype="float32", device=device, skip_tokenizer_init=True, page_size=4, num_kv_pages=96,
               max_num_batched_tokens=16, long_prefill_token_threshold=6)
     prompts = [[(7 * i + j) % 300 + 3 for j in range(5 + 4 * i)] for i in range(5)]
     params = [SamplingParams(temperature=0.0 if i % 2 else 0.8, max_tokens=5, ignore_eos=True, seed=i) for i in range(5)]
@@ -208,6 +210,8 @@ def test_engine_handoff_over_transport(kind, tmp_checkpoint):
         for _ in range(2000):
             pre.step()
             for ch in pre.pop_kv_chunks():
+                if ch.ready is not None:  # GPU: the pages are final once the step's kernels ran
+                    ch.ready.synchronize()
                 r = res[ch.request_id]
                 src, dst = chunk_regions(lp, ld, ch.page_ids, ch.first_page, r.page_ids,
                                          ch.state_slot, r.state_slot if ch.last else None)
