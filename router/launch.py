@@ -303,7 +303,8 @@ def _serve_router(args: argparse.Namespace, model: str, name: str, router_addr: 
         heartbeat_timeout=args.heartbeat_timeout,
         pd=pd,
         worker_addrs=worker_addrs,
-        pd_timeouts=PDTimeouts(prefill=args.request_timeout, activate=args.kv_transfer_timeout + 5.0),
+        pd_timeouts=PDTimeouts(prefill=args.request_timeout, transfer=args.kv_transfer_timeout,
+                               activate=args.kv_transfer_timeout + 5.0),
     )
     app = create_app(config)
     server = uvicorn.Server(

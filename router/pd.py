@@ -52,7 +52,8 @@ class PDTimeouts:
 
     reserve: float = 30.0
     prefill: float = 300.0  # compute and every KV write
-    activate: float = 30.0  # notifications seen and the request activated
+    transfer: float = 30.0  # the decode side's bound on the writes' notifications after Activate
+    activate: float = 35.0  # Committed after Activate (longer: the decode side reports first)
     stop: float = 10.0  # a prefill worker confirming that its writes stopped
 
 
@@ -179,7 +180,7 @@ class PDRouter:
                     raise _Failed(f"worker {p} (prefill): {done.error}")
                 r.phase = "activating"
                 self._send(r, d, Activate(rid, r.generation, done.model_state, done.chunks, done.num_writes,
-                                          deadline=time.time() + t.activate))  # fmt: skip
+                                          deadline=time.time() + t.transfer))  # fmt: skip
                 await self._expect(r, Committed, d, t.activate)
                 r.phase = "decoding"
                 if self.on_handoff is not None:
@@ -226,12 +227,10 @@ class PDRouter:
                               f"within the phase deadline)") from None  # fmt: skip
             if item is _CANCEL:
                 raise _Cancelled()
-            if isinstance(item, _Dead):
+            if isinstance(item, _Dead):  # before decoding, either side's death ends the request
                 self._note_dead(r, item)
-                if item.worker_id == r.decode_worker or not r.prefill_released:
-                    role = "decode" if item.worker_id == r.decode_worker else "prefill"
-                    raise _Failed(f"worker {item.worker_id} ({role}) failed: {item.reason}")
-                continue
+                role = "decode" if item.worker_id == r.decode_worker else "prefill"
+                raise _Failed(f"worker {item.worker_id} ({role}) failed: {item.reason}")
             if isinstance(item, kind) and item.worker_id == worker_id:
                 if isinstance(item, (Reserved, PrefillDone, Committed)) and kind is not Reserved:
                     if item.generation != r.generation:

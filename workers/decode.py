@@ -21,6 +21,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from workers.faults import fault
 from workers.protocol import Activate, Committed, Delta, PeerTable, Reserve, Reserved
 from workers.transfer import TransferNotif, decode_notif
 
@@ -31,6 +32,7 @@ class _Receiving:
     deadline: float
     writes: set[int] = field(default_factory=set)  # indices of the writes whose data landed
     activate: Activate | None = None
+    not_before: float = 0.0  # monotonic; fault injection only
     started: float = field(default_factory=time.monotonic)
 
 
@@ -88,6 +90,8 @@ class DecodeRole:
             self.metrics.count_transfer_failure("stale")
             return  # aborted meanwhile, or a duplicate: the router's teardown already runs
         rec.activate = msg
+        hold = fault("hold_activate")  # tests: keep it received-not-activated for a while
+        rec.not_before = time.monotonic() + hold if hold is not None else 0.0
 
     def on_abort(self, request_id: str) -> bool:
         if request_id not in self.receiving:
@@ -127,14 +131,15 @@ class DecodeRole:
         now = time.time()
         for rid, rec in list(self.receiving.items()):
             act = rec.activate
-            if act is None:
+            if act is None or time.monotonic() < rec.not_before:
                 continue
             if len(rec.writes) >= act.num_writes:
                 self._activate(rid, rec, act)
             elif act.deadline and now > act.deadline:
                 # The writer reported every write complete, so nothing is in flight: safe to free.
                 self.metrics.count_transfer_failure("timeout")
-                self._fail(rid, f"KV transfer timed out: {len(rec.writes)} of {act.num_writes} writes arrived")
+                self._fail(rid, f"KV transfer timed out: {len(rec.writes)} of {act.num_writes} writes arrived "
+                                "before the activation deadline")  # fmt: skip
 
     def _activate(self, rid: str, rec: _Receiving, act: Activate) -> None:
         del self.receiving[rid]
@@ -157,7 +162,7 @@ class DecodeRole:
         self.engine.abort_request(rid)
         self.needs_step = True
         self.metrics.count_error()
-        self.send(Delta(rid, [], finish_reason="error", error=error))
+        self.send(Delta(rid, [], finish_reason="error", error=f"worker {self.worker_id}: {error}"))
 
     def counts(self) -> int:
         return len(self.receiving)
