@@ -101,10 +101,12 @@ class PrefillRole:
         self._finish_if_quiet(job)
 
     def on_abort(self, request_id: str) -> bool:
-        """Stop a prefill this role holds; False if it holds none (then there is nothing to do)."""
+        """Stop a prefill; one that is not held here is acknowledged at once (nothing to stop), so
+        the router's teardown never waits for an answer that cannot come."""
         job = self.jobs.get(request_id)
         if job is None:
-            return False
+            self.send(PrefillReleased(request_id, self.worker_id))
+            return True
         job.stopping = job.stopping or "abort"
         self._finish_if_quiet(job)
         return True

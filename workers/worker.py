@@ -355,11 +355,18 @@ def _route_host(router_addr: str) -> str:
             return "127.0.0.1"
 
 
-def _make_agent(kind: str, worker_id: str, engine: Any, timeout_s: float) -> Any:
-    """The KV transport agent with the engine's K, V and final-state buffers registered."""
+def _make_agent(kind: str, worker_id: str, engine: Any, timeout_s: float, host: str | None) -> Any:
+    """The KV transport agent with the engine's K, V and final-state buffers registered.
+
+    `host`: where a joined worker's ZMQ transport listens (its advertised host), so peers on
+    other hosts can reach it; NIXL carries its own addressing in its metadata."""
     from workers.transfer import make_agent
 
     buffers = [engine.runner.kv.k, engine.runner.kv.v, engine.handoff.state_buffer]
+    if kind == "zmq" and host is not None:
+        from workers.transfer.zmq_agent import ZmqTransferAgent
+
+        return ZmqTransferAgent(worker_id, buffers, None, timeout_s, host=host)
     return make_agent(kind, worker_id, buffers, timeout_s=timeout_s)
 
 
@@ -411,7 +418,9 @@ def main(argv: list[str] | None = None) -> int:
         if not isinstance(engine_args, dict):
             raise ValueError("--engine-args must be a JSON object")
         engine = LLMEngine(args.model, dtype=args.dtype, device=args.device, **engine_args)
-        agent = _make_agent(args.kv_transport, wid, engine, args.kv_transfer_timeout) if args.role != "both" else None
+        host = _advertised(in_addr, args.out_addr, args.advertise_host) if args.join else None
+        host = host[len("tcp://") :].rsplit(":", 1)[0] if host and host.startswith("tcp://") else None
+        agent = _make_agent(args.kv_transport, wid, engine, args.kv_transfer_timeout, host) if args.role != "both" else None
     except Exception as e:
         traceback.print_exc()
         _say(Loading(wid, "failed", time.monotonic() - t0, f"{type(e).__name__}: {e}"))
