@@ -136,6 +136,9 @@ def test_two_processes(kind):
         assert time.monotonic() - t0 < 5
         agent.release(h)
         agent.remove_peer("dec2")
+        st = agent.stats()
+        assert (st.writes_posted, st.writes_done, st.writes_failed) == ((3, 1, 2) if kind == "zmq" else (3, 2, 1))
+        assert st.inflight_bytes == 0 and st.bytes_written == agent.bytes_written and st.write_seconds > 0
     finally:
         agent.close()
         if proc.is_alive():

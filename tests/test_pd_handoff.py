@@ -131,8 +131,12 @@ def _run_pd(path: str, reqs: list[dict], pre_kw: dict, dec_kw: dict, concurrent:
     pending, steps = list(reqs), 0
     while pending or pd.busy():
         while pending and len(pd.live) < concurrent:
-            r = pending.pop(0)
-            pd.submit(r["id"], r["prompt"], _params(r, **extra))
+            try:
+                pd.submit(pending[0]["id"], pending[0]["prompt"], _params(pending[0], **extra))
+            except OutOfPages:  # the decode pool is busy: retried after a step, as the router would
+                assert pd.busy()
+                break
+            pending.pop(0)
         pd.step()
         steps += 1
         assert steps < 5000
@@ -172,15 +176,28 @@ def test_decode_side_speculation_preemption_and_adaptive_exit(ckpt):
     a small pool (swap and recompute), and Ouro's early exit with last_exited KV."""
     path = ckpt("ouro")
     reqs = _workload(3, 10)
-    for kw in (dict(num_speculative_tokens=2, speculative_draft_depth=1),
-               dict(num_kv_pages=24, swap_space_bytes=1 << 16), dict(num_kv_pages=24, swap_space_bytes=0)):
+    for kw, counter in ((dict(num_speculative_tokens=2, speculative_draft_depth=1), "num_spec_drafts"),
+                        (dict(num_kv_pages=24, swap_space_bytes=1 << 22), "num_swap_preemptions"),
+                        (dict(num_kv_pages=24, swap_space_bytes=0), "num_recompute_preemptions")):
         want = _single(path, reqs, kw)
-        got, pd = _run_pd(path, reqs, {}, kw, concurrent=2)
+        got, pd = _run_pd(path, reqs, {}, kw, concurrent=3)
         assert got == want, kw
+        assert getattr(pd.dec.stats(), counter) > 0, counter
     adaptive = dict(kv_layout="last_exited")
     want = _single(path, reqs, adaptive, exit_threshold=0.6)
     got, _ = _run_pd(path, reqs, adaptive, adaptive, exit_threshold=0.6)
     assert got == want
+
+
+def test_prefill_side_small_pool(ckpt):
+    """Prefill requests take their whole prompt's pages at admission (they cannot be preempted
+    once a chunk is out), so a small prefill pool queues them instead of deadlocking."""
+    path = ckpt("nanbeige")
+    reqs = _workload(5, 10)
+    want = _single(path, reqs, {})
+    got, pd = _run_pd(path, reqs, dict(num_kv_pages=12), {}, concurrent=6)
+    assert got == want
+    assert pd.pre.stats().num_preemptions == 0
 
 
 def test_huginn_exit_criterion(ckpt):

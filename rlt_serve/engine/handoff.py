@@ -15,8 +15,9 @@ Why it is shaped this way:
   every depth, the last partial page with the prompt's end), so a transport can push while later
   chunks compute, and every page is sent exactly once: a page written twice by two transfers
   could land out of order.
-- A page under a transfer is never reused. The prefill side pins a request once its first chunk
-  is reported (no preemption) and holds its pages until `release_prefill`; the decode side holds
+- A page under a transfer is never reused. A prefill request is never preempted (it takes its
+  whole prompt's pages at admission, so it can always finish) and holds its pages until
+  `release_prefill`; the decode side holds
   a reservation's pages until activation or abort. Every reservation carries an allocation
   generation, monotonic per engine, so a write or activation for a reservation that was aborted
   (its pages possibly reused) is refused instead of corrupting another request.
@@ -147,6 +148,9 @@ class Handoff:
             raise ValueError(f"skip_tokens: {skip_tokens} must be a multiple of page_size={ps} below the prompt length")
         seq = self.engine._new_sequence(request_id, prompt_token_ids, params, None, priority, seed)
         seq.pd_role = "prefill"
+        # Never preempted: its chunks may be under transfer, and it takes its whole prompt's pages
+        # at admission (scheduler._admit), so every admitted prefill can finish.
+        seq.transfer_pinned = True
         slot = self._take_slot("prefill")
         self._prefills[request_id] = _Prefill(seq, skip_tokens // ps, slot=slot)
         self.engine._seqs[request_id] = seq
@@ -193,8 +197,6 @@ class Handoff:
             page_ids=list(seq.page_table[first:final_pages]),
         )
         pf.next_page, pf.chunks = max(first, final_pages), pf.chunks + 1
-        if chunk.page_ids:
-            seq.transfer_pinned = True
         if complete:
             self.state_buffer[pf.slot].copy_(state[0])
             chunk.last = True

@@ -34,12 +34,13 @@ KV_TRANSPORTS = ("nixl", "zmq")
 
 
 def make_agent(kind: str, name: str, buffers: list[torch.Tensor], accept: Acceptor | None = None,
-               timeout_s: float = 30.0) -> KVTransferAgent:
-    """The transport named by `--kv-transport`; a clear error if it cannot run here."""
+               timeout_s: float = 30.0, host: str = "127.0.0.1") -> KVTransferAgent:
+    """The transport named by `--kv-transport`; a clear error if it cannot run here. `host`: the
+    address the ZMQ transport binds and advertises (NIXL/UCX picks its own, see UCX_NET_DEVICES)."""
     if kind == "zmq":
         from workers.transfer.zmq_agent import ZmqTransferAgent
 
-        return ZmqTransferAgent(name, buffers, accept, timeout_s)
+        return ZmqTransferAgent(name, buffers, accept, timeout_s, host)
     if kind == "nixl":
         from workers.transfer.nixl_agent import NixlTransferAgent, nixl_unavailable
 

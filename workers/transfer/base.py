@@ -68,8 +68,22 @@ class _Handle:
     peer: str
     deadline: float
     nbytes: int
+    posted: float
     state: Status = "pending"
     native: object | None = None  # the implementation's handle
+
+
+@dataclass
+class TransferStats:
+    """Cumulative counters a worker exports as metrics (rlt:kv_transfer_*)."""
+
+    writes_posted: int = 0
+    writes_done: int = 0
+    writes_failed: int = 0  # errors, timeouts, dead peers, refusals (ZMQ)
+    bytes_written: int = 0
+    write_seconds: float = 0.0  # post -> done, summed over done writes
+    refused: int = 0  # writes this agent refused as a receiver (stale generation)
+    inflight_bytes: int = 0  # now
 
 
 class KVTransferAgent(ABC):
@@ -89,8 +103,7 @@ class KVTransferAgent(ABC):
         self.buffers = list(buffers)
         self._handles: dict[int, _Handle] = {}
         self._next_handle = 1
-        self.num_refused = 0  # writes this receiver refused (stale generation)
-        self.bytes_written = 0
+        self._stats = TransferStats()
 
     # -- peers --------------------------------------------------------------------------
     @abstractmethod
@@ -115,12 +128,15 @@ class KVTransferAgent(ABC):
         h = self._next_handle
         self._next_handle += 1
         nbytes = sum(r.nbytes for r in local)
-        handle = _Handle(peer, time.monotonic() + (self.timeout_s if timeout_s is None else timeout_s), nbytes)
+        now = time.monotonic()
+        handle = _Handle(peer, now + (self.timeout_s if timeout_s is None else timeout_s), nbytes, now)
         self._handles[h] = handle
+        self._stats.writes_posted += 1
         try:
             handle.native = self._post(h, peer, local, remote, WRITE_TAG + notif)
         except TransferError:
             handle.state = "failed"
+            self._stats.writes_failed += 1
         return h
 
     def status(self, handle: int) -> Status:
@@ -132,8 +148,13 @@ class KVTransferAgent(ABC):
             if h.state == "pending" and time.monotonic() > h.deadline:
                 self._discard(h)
                 h.state = "failed"
+            st = self._stats
             if h.state == "done":
-                self.bytes_written += h.nbytes
+                st.writes_done += 1
+                st.bytes_written += h.nbytes
+                st.write_seconds += time.monotonic() - h.posted
+            elif h.state == "failed":
+                st.writes_failed += 1
         return h.state
 
     def release(self, handle: int) -> None:
@@ -170,6 +191,18 @@ class KVTransferAgent(ABC):
         return len(self._handles)
 
     @property
+    def num_refused(self) -> int:
+        return self._stats.refused
+
+    @property
+    def bytes_written(self) -> int:
+        return self._stats.bytes_written
+
+    def stats(self) -> TransferStats:
+        self._stats.inflight_bytes = sum(h.nbytes for h in self._handles.values() if h.state == "pending")
+        return TransferStats(**vars(self._stats))
+
+    @property
     @abstractmethod
     def num_registered(self) -> int: ...
 
@@ -191,7 +224,7 @@ class KVTransferAgent(ABC):
         n = decode_notif(notif)
         if n is not None and self.accept(peer, n):
             return True
-        self.num_refused += 1
+        self._stats.refused += 1
         if n is not None:
             self.notify(peer, encode_notif(TransferNotif("refused", n.request_id, n.generation, n.chunk, n.last, n.first_page, n.num_pages)))
         return False
@@ -214,6 +247,7 @@ class KVTransferAgent(ABC):
             if h.peer == peer and h.state == "pending":
                 self._discard(h)
                 h.state = "failed"
+                self._stats.writes_failed += 1
 
     @abstractmethod
     def _close(self) -> None: ...

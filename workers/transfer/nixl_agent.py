@@ -73,6 +73,8 @@ class NixlTransferAgent(KVTransferAgent):
         meta = msgspec.msgpack.decode(metadata, type=_Meta)
         if meta.name != name:
             raise ValueError(f"metadata is for agent {meta.name!r}, not {name!r}")
+        if name in self._peers:  # a restarted peer: forget the old incarnation first
+            self.remove_peer(name)
         if meta.mem != self._mem:
             raise ValueError(f"peer {name!r} registered {meta.mem} memory, this agent {self._mem}")
         loaded = self._agent.add_remote_agent(meta.agent)

@@ -113,8 +113,11 @@ class ZmqTransferAgent(KVTransferAgent):
                     self._acks[int.from_bytes(h, "little")] = "done" if ok == _OK else "failed"
 
     def _receive(self, peer: str, frames: list) -> None:
-        h, remote = msgspec.msgpack.decode(frames[2].bytes, type=tuple[int, list[Region]])
-        notif, payload = frames[3].bytes, frames[4:]
+        try:
+            h, remote = msgspec.msgpack.decode(frames[2].bytes, type=tuple[int, list[Region]])
+            notif, payload = frames[3].bytes, frames[4:]
+        except (msgspec.DecodeError, msgspec.ValidationError, IndexError):
+            return  # not from a ZmqTransferAgent: no handle to answer; its writer times out
         ok = len(payload) == len(remote) and all(
             r.buf < len(self._bytes) and r.offset >= 0 and r.offset + r.nbytes <= self._bytes[r.buf].numel()
             and len(f.buffer) == r.nbytes for r, f in zip(remote, payload)
