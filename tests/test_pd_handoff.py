@@ -69,8 +69,17 @@ def _single(path: str, reqs: list[dict], engine_kw: dict, **extra) -> dict[str, 
 
 def _result(out) -> tuple:
     c = out.outputs[0]
-    lps = [round(next(iter(t.values())).logprob, 4) for t in c.logprobs] if c.logprobs else None
+    lps = [next(iter(t.values())).logprob for t in c.logprobs] if c.logprobs else None
     return tuple(c.token_ids), c.finish_reason, lps
+
+
+def _assert_same(got: dict, want: dict) -> None:
+    """Tokens and finish reasons exactly; logprobs within fp32 noise (the first token's logits
+    come from a batch of a different composition than in the single engine)."""
+    assert got.keys() == want.keys()
+    for rid in want:
+        assert got[rid][:2] == want[rid][:2], rid
+        assert got[rid][2] == pytest.approx(want[rid][2], abs=1e-4), rid
 
 
 def copy_chunk(src: LLMEngine, dst: LLMEngine, chunk: KVChunk, res: Reservation) -> None:
@@ -159,16 +168,17 @@ CASES = [
     ("nanbeige", dict(enable_prefix_caching=False, enable_mixed_batching=False)),
     ("huginn", {}),
     ("huginn", dict(enable_prefix_caching=False, long_prefill_token_threshold=3)),
+    ("huginn", dict(huginn_cache="compress-s2", long_prefill_token_threshold=1, enable_wavefront_prefill=False)),
 ]
 
 
 @pytest.mark.parametrize("family,kw", CASES)
 def test_pd_equals_single_engine(ckpt, family, kw):
     path = ckpt(family)
-    reqs = _workload(hash((family, tuple(kw))) % 1000, 10)
+    reqs = _workload(CASES.index((family, kw)), 10)
     want = _single(path, reqs, kw)
     got, pd = _run_pd(path, reqs, kw, kw, via_slot=bool(kw))
-    assert got == want
+    _assert_same(got, want)
 
 
 def test_decode_side_speculation_preemption_and_adaptive_exit(ckpt):
@@ -181,12 +191,12 @@ def test_decode_side_speculation_preemption_and_adaptive_exit(ckpt):
                         (dict(num_kv_pages=24, swap_space_bytes=0), "num_recompute_preemptions")):
         want = _single(path, reqs, kw)
         got, pd = _run_pd(path, reqs, {}, kw, concurrent=3)
-        assert got == want, kw
+        _assert_same(got, want)
         assert getattr(pd.dec.stats(), counter) > 0, counter
     adaptive = dict(kv_layout="last_exited")
     want = _single(path, reqs, adaptive, exit_threshold=0.6)
     got, _ = _run_pd(path, reqs, adaptive, adaptive, exit_threshold=0.6)
-    assert got == want
+    _assert_same(got, want)
 
 
 def test_prefill_side_small_pool(ckpt):
@@ -196,7 +206,7 @@ def test_prefill_side_small_pool(ckpt):
     reqs = _workload(5, 10)
     want = _single(path, reqs, {})
     got, pd = _run_pd(path, reqs, dict(num_kv_pages=12), {}, concurrent=6)
-    assert got == want
+    _assert_same(got, want)
     assert pd.pre.stats().num_preemptions == 0
 
 
@@ -206,7 +216,7 @@ def test_huginn_exit_criterion(ckpt):
     kw = dict(huginn_cache="latest-m4")
     want = _single(path, reqs, kw, exit_criterion="latent-diff", exit_threshold=0.5)
     got, _ = _run_pd(path, reqs, kw, kw, exit_criterion="latent-diff", exit_threshold=0.5)
-    assert got == want
+    _assert_same(got, want)
 
 
 @pytest.mark.parametrize("family", ["ouro", "huginn"])
@@ -224,7 +234,7 @@ def test_decode_prefix_hit_shrinks_transfer(ckpt, family):
         sent.append((res.num_cached_tokens, -(-len(r["prompt"]) // 4)))
         while pd.busy():
             pd.step()
-    assert pd.done == want
+    _assert_same(pd.done, want)
     assert sent[0][0] == 0 and pd.pages_sent["q0"] == sent[0][1]
     assert sent[1][0] == 16 and pd.pages_sent["q1"] == sent[1][1] - 4
     _assert_pools(pd.pre)
