@@ -323,9 +323,34 @@ class WorkerPool:
             elif st.peer is not None:  # PeerInfo overtook Ready (two sockets? not today, but cheap)
                 self._admit_worker(st)
         elif isinstance(msg, PeerInfo) and st.peer is None:
+            why = self._incompatible(msg)
+            if why is not None:
+                self.mark_dead(msg.worker_id, f"refused: {why}")
+                self.send_shutdown(msg.worker_id, why)
+                return
             st.peer = msg
             if st.ready is not None:
                 self._admit_worker(st)
+
+    def _incompatible(self, peer: PeerInfo) -> str | None:
+        """Why a PD worker cannot exchange KV with the live ones (model, dtype, page size, transport)."""
+        shape = {k: v for k, v in peer.layout.items() if k != "num_pages"}
+        for other in self.workers.values():
+            o = other.peer
+            if o is None or not other.alive or o.worker_id == peer.worker_id:
+                continue
+            if o.transport != peer.transport:
+                return f"its KV transport is {peer.transport!r}, worker {o.worker_id}'s is {o.transport!r}"
+            theirs = {k: v for k, v in o.layout.items() if k != "num_pages"}
+            if theirs != shape:
+                return (f"its KV layout {shape} differs from worker {o.worker_id}'s {theirs} "
+                        "(same model, dtype and page size needed)")  # fmt: skip
+        return None
+
+    def send_shutdown(self, worker_id: str, reason: str) -> None:
+        sock = self._push.get(worker_id)
+        if sock is not None:
+            sock.send(encode(Shutdown(drain=False, reason=reason)), zmq.NOBLOCK)
 
     def _admit_worker(self, st: WorkerState) -> None:
         """Make a worker eligible for requests (PD: after every peer knows its identity)."""

@@ -153,12 +153,12 @@ def stop(proc: subprocess.Popen, timeout: float = 30.0) -> None:
             proc.wait()
 
 
-def join_worker(model: str, role: str, endpoint: str, worker_id: str, *args: str) -> subprocess.Popen:
+def join_worker(model: str, role: str, endpoint: str, worker_id: str, *args: str, stderr=None) -> subprocess.Popen:
     """`rlt-serve worker --role ROLE --router ENDPOINT`: a worker joining a running router."""
     cmd = [sys.executable, "-m", "rlt_serve.cli", "worker", "--role", role, "--router", endpoint, "--model", model,
            "--worker-id", worker_id, "--device", "cpu", "--listen", "tcp://127.0.0.1:0", *ENGINE, *args]  # fmt: skip
     env = {**os.environ, "OMP_NUM_THREADS": "1", "UCX_NET_DEVICES": "lo"}
-    return subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.DEVNULL, start_new_session=True)
+    return subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=stderr, start_new_session=True)
 
 
 # -- the workload --------------------------------------------------------------------------------

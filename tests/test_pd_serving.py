@@ -46,6 +46,16 @@ def _stop(procs: list[subprocess.Popen]) -> None:
             p.wait()
 
 
+def _check_incompatible_worker_refused(s, model: str) -> None:
+    """A worker whose KV layout cannot match its peers' (another page size) is refused, saying why."""
+    w = join_worker(model, "decode", s.worker_endpoint, "d-odd", "--kv-transport", "zmq", "--page-size", "8",
+                    stderr=subprocess.PIPE)  # fmt: skip
+    _, err = w.communicate(timeout=120)
+    assert w.returncode == 0 and "refused it" in err.decode() and "KV layout" in err.decode(), err[-2000:]
+    assert s.workers()["d-odd"]["status"] == "dead" and "page size" in s.workers()["d-odd"]["reason"]
+    assert s.http.post("/v1/completions", json={"model": "m", "prompt": [5, 6, 7], "max_tokens": 2}).status_code == 200
+
+
 @pytest.mark.parametrize("family", FAMILIES)
 def test_pd_equals_both_worker(root, family: str) -> None:
     model = make_checkpoint(root, family)
@@ -78,6 +88,8 @@ def test_pd_equals_both_worker(root, family: str) -> None:
             s.wait_for(lambda: all(s.workers()[w]["status"] == "dead" for w in ids), 30, "joined workers gone")
             assert_same(run_workload(s, reqs[:8]), want[:8], f"{family} after the joined workers left")
             s.assert_idle()
+            if family == "ouro" and caching == "--enable-prefix-caching":
+                _check_incompatible_worker_refused(s, model)
     if family == "ouro":
         with launch(model, "--prefill", "1", "--decode", "1", "--kv-transport", "nixl", *ENGINE) as s:
             assert_same(run_workload(s, reqs), want, "ouro 1P1D nixl")

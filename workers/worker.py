@@ -52,6 +52,7 @@ from workers.protocol import (
 )
 
 IDLE_POLL_S = 0.02
+PD_POLL_S = 0.001  # while a PD request is held: writes land (ZMQ) only when the receiver polls
 CAPACITY_MIN_INTERVAL_S = 0.05
 HEARTBEAT_S = 0.5
 METRICS_S = 1.0
@@ -230,11 +231,20 @@ class Worker:
         """(held requests, open handles, registered buffers) for Capacity."""
         if self.role is None:
             return (0, 0, 0)
+        if self.agent is None:  # closed after an engine failure
+            return (0, 0, 0)
         held, regs = self.role.counts(), self.agent.num_registered
         self.metrics.set_pd_counts(held, regs, self.engine.handoff.num_free_state_slots)
         return (held, self.agent.num_handles, regs)
 
     # -- the loop ------------------------------------------------------------------------
+    def _idle_timeout(self) -> float:
+        """How long the inbox may be waited on: not at all with work, briefly while KV may be
+        arriving (the transport has no socket of ours to wake the poll), else the idle poll."""
+        if self._busy():
+            return 0.0
+        return PD_POLL_S if self.role is not None and self.role.counts() else IDLE_POLL_S
+
     def _busy(self) -> bool:
         return self.engine.has_unfinished_requests() or (self.role is not None and self.role.busy)
 
@@ -289,7 +299,7 @@ class Worker:
     def _loop(self) -> int:
         self._publish(force=True)
         while True:
-            self._drain_inbox(0 if self._busy() else IDLE_POLL_S)
+            self._drain_inbox(self._idle_timeout())
             self._enforce_deadlines()
             try:
                 self._pd_work()
@@ -312,9 +322,16 @@ class Worker:
                 self.send(Health(self.worker_id, ok=False, detail="shut down"))
                 return 0
 
+    def close_transport(self) -> None:
+        """Stop every KV write of this process (idempotent)."""
+        if self.agent is not None:
+            agent, self.agent = self.agent, None
+            agent.close()
+
     def _engine_failed(self, exc: Exception) -> None:
         traceback.print_exc()
         detail = f"engine step failed: {type(exc).__name__}: {exc}"
+        self.close_transport()  # the writer stops before anyone is told (and frees what they target)
         self.heartbeat.stop()
         for rid in self.tracker.ids():  # each request's own error first, then the worker's
             self.tracker.pop(rid)
@@ -363,11 +380,7 @@ def _make_agent(kind: str, worker_id: str, engine: Any, timeout_s: float, host: 
     from workers.transfer import make_agent
 
     buffers = [engine.runner.kv.k, engine.runner.kv.v, engine.handoff.state_buffer]
-    if kind == "zmq" and host is not None:
-        from workers.transfer.zmq_agent import ZmqTransferAgent
-
-        return ZmqTransferAgent(worker_id, buffers, None, timeout_s, host=host)
-    return make_agent(kind, worker_id, buffers, timeout_s=timeout_s)
+    return make_agent(kind, worker_id, buffers, timeout_s=timeout_s, **({"host": host} if host else {}))
 
 
 def _layout(engine: Any) -> dict[str, int]:
@@ -455,8 +468,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         code = worker.run()
     finally:
-        if agent is not None:
-            agent.close()
+        worker.close_transport()
     pull.close(linger=0)
     push.close()
     ctx.term()
