@@ -174,8 +174,8 @@ class Scheduler:
             else:
                 self._match_prefix(seq)
                 n = min(seq.prefill_end - seq.frontier, self.cfg.long_prefill_token_threshold, p.budget)
-                # A prefill-only request (PD) takes its whole prompt now: once its first chunk is
-                # sent it cannot be preempted, so growing it later could deadlock pinned requests.
+                # A prefill-only request (PD) takes its whole prompt now: it is never preempted (its
+                # pages may be under transfer), so growing it later could deadlock pinned requests.
                 need = seq.num_tokens if seq.pd_role == "prefill" else seq.frontier + n
                 if not self._make_room(seq, need, p, admitting=True):
                     bm.release(seq.page_table)  # undo the prefix match; retried next call
