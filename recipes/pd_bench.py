@@ -128,6 +128,7 @@ def _run(base: str, prompts: list[list[int]], output_len: int, concurrency: int)
     with ThreadPoolExecutor(concurrency) as pool:
         results = list(pool.map(lambda p: _one(base, p, output_len), prompts))
     wall = time.perf_counter() - t0
+    time.sleep(1.5)  # workers send their metrics once a second: let the last counts arrive
     after = _metrics(base)
 
     def delta(name: str, **labels: str) -> float:
