@@ -370,3 +370,30 @@ def test_rejections(ckpt):
         pre.release_prefill("p")
     pre.abort_request("p")
     _assert_pools(pre)
+
+
+def test_held_pages_make_queued_requests_wait(ckpt):
+    """A pool full of pages held for transfers is not a dead end: queued work waits for the
+    release instead of the engine giving up."""
+    path = ckpt("ouro")
+    for side in ("prefill", "decode"):
+        eng = _engine(path, num_kv_pages=8)
+        params = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True, seed=3)
+        if side == "prefill":
+            eng.add_prefill_request("held", list(range(3, 23)), params)  # 5 of 8 pages
+            while eng.has_unfinished_requests():
+                eng.step()
+        else:
+            eng.reserve_remote_prefill("held", list(range(3, 23)), params)
+        eng.pop_kv_chunks()
+        eng.add_prefill_request("queued", list(range(30, 45)), params)  # its 4 pages do not fit yet
+        for _ in range(3):
+            assert eng.step() == [] and not eng.pop_kv_chunks()
+        eng.release_prefill("held") if side == "prefill" else eng.abort_request("held")
+        chunks = []
+        while eng.has_unfinished_requests():
+            eng.step()
+            chunks += eng.pop_kv_chunks()
+        assert chunks[-1].request_id == "queued" and chunks[-1].last
+        assert eng.release_prefill("queued")
+        _assert_pools(eng)

@@ -119,6 +119,12 @@ class Handoff:
         return request_id in self._prefills or request_id in self._remotes
 
     @property
+    def num_held(self) -> int:
+        """Requests whose pages only a release or abort from outside gives back: finished
+        prefills awaiting `release_prefill`, and reservations awaiting activation."""
+        return sum(pf.done for pf in self._prefills.values()) + len(self._remotes)
+
+    @property
     def num_free_state_slots(self) -> int:
         return len(self._free_slots)
 

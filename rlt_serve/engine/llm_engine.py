@@ -310,7 +310,8 @@ class LLMEngine:
             return outputs
         sched = self.scheduler.schedule()
         if not sched.rows:
-            if self.scheduler.running or self.scheduler.waiting:
+            # Pages held for PD transfers come back by release/abort from outside: wait for them.
+            if (self.scheduler.running or self.scheduler.waiting) and not self.handoff.num_held:
                 raise RuntimeError("scheduler made no progress: the KV pool cannot hold any waiting request")
             return outputs
         result = self.runner.execute(sched)
