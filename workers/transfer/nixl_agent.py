@@ -153,6 +153,7 @@ class NixlTransferAgent(KVTransferAgent):
             self._agent.deregister_memory(reg)
         self._regs.clear()
         self.buffers.clear()
+        self._agent = None  # the native agent (and its UCX workers/threads) goes with the last reference
 
     @property
     def num_registered(self) -> int:
