@@ -75,12 +75,12 @@ def test_pd_equals_both_worker(root, family: str) -> None:
                            "joined workers warmed up")  # fmt: skip
                 assert all(s.workers()[w].get("joined") for w in ids)
                 assert_same(run_workload(s, reqs), want, f"{family} 2P2D {caching}")
-                m = s.metrics()
-                for w in ("p0", "prefill-joined"):
-                    assert m[f'rlt:prompt_tokens_total{{worker="{w}"}}'] > 0, w
-                for w in ("d0", "decode-joined"):
-                    assert m[f'rlt:generation_tokens_total{{worker="{w}"}}'] > 0, w
-                    assert m[f'rlt:kv_transfer_chunks_total{{direction="received",worker="{w}"}}'] > 0, w
+                # Every worker served part of the batch (workers report metrics once a second).
+                keys = [f'rlt:prompt_tokens_total{{worker="{w}"}}' for w in ("p0", "prefill-joined")]
+                keys += [f'rlt:{n}{{{lab}worker="{w}"}}' for w in ("d0", "decode-joined")
+                         for n, lab in (("generation_tokens_total", ""),
+                                        ("kv_transfer_chunks_total", 'direction="received",'))]  # fmt: skip
+                s.wait_for(lambda: all(s.metrics().get(k, 0) > 0 for k in keys), 10, f"work on every worker: {keys}")
                 s.assert_idle()
             finally:
                 _stop(joined)
