@@ -1,4 +1,4 @@
-"""The `rlt-serve` command line: build the demo model, generate offline."""
+"""The `rlt-serve` command line: build the demo model, generate offline, serve, join as a worker."""
 
 from __future__ import annotations
 
@@ -165,6 +165,12 @@ def build_parser() -> argparse.ArgumentParser:
     serve = sub.add_parser("launch", help="serve the OpenAI-compatible API: router plus worker processes")
     launch.add_arguments(serve)
     serve.set_defaults(func=launch.run)
+
+    from workers import join
+
+    w = sub.add_parser("worker", help="one worker process that joins a running router (--router tcp://HOST:PORT)")
+    join.add_arguments(w)
+    w.set_defaults(func=join.run)
     return parser
 
 

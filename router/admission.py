@@ -14,6 +14,11 @@ What does not fit waits in one bounded queue, ordered by priority (lower first) 
 served strictly from the head so a large request is not starved by a stream of small ones. When
 the queue is full, the last waiter in that order is refused (a new urgent request displaces a
 queued lax one); past the queue deadline a waiter is refused too: `Overloaded`, HTTP 429.
+
+With prefill/decode disaggregation every worker has a role and a request takes two tickets, one
+on a decode worker (prompt + max_tokens: it receives the prompt's KV and generates) and then one
+on a prefill worker (the prompt only). Decode is always taken first and nobody holds prefill
+credits while waiting for decode ones, so the two pools cannot deadlock.
 """
 
 from __future__ import annotations
@@ -43,6 +48,7 @@ class WorkerCredits:
     page_size: int
     total_pages: int
     total_slots: int
+    role: str = "both"
     reserved_pages: int = 0
     reserved_slots: int = 0
     reported_free_pages: int | None = None
@@ -80,6 +86,7 @@ class _Waiter:
     request_id: str = field(compare=False)
     worker_id: str | None = field(compare=False)
     future: asyncio.Future = field(compare=False)
+    role: str | None = field(default=None, compare=False)
 
 
 class Admission:
@@ -93,8 +100,8 @@ class Admission:
         self._tickets: dict[int, Ticket] = {}  # id(ticket) -> ticket, for the exactly-once check
 
     # -- workers ----------------------------------------------------------------------------
-    def add_worker(self, worker_id: str, page_size: int, total_pages: int, total_slots: int) -> None:
-        self.workers[worker_id] = WorkerCredits(worker_id, page_size, total_pages, total_slots)
+    def add_worker(self, worker_id: str, page_size: int, total_pages: int, total_slots: int, role: str = "both") -> None:
+        self.workers[worker_id] = WorkerCredits(worker_id, page_size, total_pages, total_slots, role)
         self._pump()
 
     def update_capacity(
@@ -130,16 +137,18 @@ class Admission:
         priority: int = 0,
         worker_id: str | None = None,
         timeout: float | None = None,
+        role: str | None = None,
     ) -> Ticket:
         """Reserve credits for `num_tokens` tokens (prompt + max_tokens) on one worker.
 
-        `worker_id` pins the worker (warm-up); `timeout` bounds the wait below the queue deadline.
-        Raises `Overloaded` or `NoCapacity`; a cancelled wait leaves nothing reserved.
+        `worker_id` pins the worker (warm-up), `role` limits the choice to workers of that role;
+        `timeout` bounds the wait below the queue deadline. Raises `Overloaded` or `NoCapacity`; a
+        cancelled wait leaves nothing reserved.
         """
-        if not self._could_ever_fit(num_tokens, worker_id):
-            raise NoCapacity(self._no_capacity_message(num_tokens, worker_id))
+        if not self._could_ever_fit(num_tokens, worker_id, role):
+            raise NoCapacity(self._no_capacity_message(num_tokens, worker_id, role))
         loop = asyncio.get_running_loop()
-        waiter = _Waiter(priority, next(self._seq), num_tokens, request_id, worker_id, loop.create_future())
+        waiter = _Waiter(priority, next(self._seq), num_tokens, request_id, worker_id, loop.create_future(), role)
         heapq.heappush(self._queue, waiter)
         self._queued += 1
         self._pump()
@@ -186,24 +195,27 @@ class Admission:
         return True
 
     # -- internals --------------------------------------------------------------------------
-    def _candidates(self, worker_id: str | None) -> list[WorkerCredits]:
+    def _candidates(self, worker_id: str | None, role: str | None = None) -> list[WorkerCredits]:
         ws = (
             [self.workers[worker_id]] if worker_id in self.workers else [] if worker_id else list(self.workers.values())
         )
-        return [w for w in ws if w.accepting]
+        return [w for w in ws if w.accepting and (role is None or w.role == role)]
 
-    def _could_ever_fit(self, num_tokens: int, worker_id: str | None) -> bool:
-        return any(w.pages_for(num_tokens) <= w.total_pages and w.total_slots >= 1 for w in self._candidates(worker_id))
+    def _could_ever_fit(self, num_tokens: int, worker_id: str | None, role: str | None = None) -> bool:
+        return any(
+            w.pages_for(num_tokens) <= w.total_pages and w.total_slots >= 1 for w in self._candidates(worker_id, role)
+        )
 
-    def _no_capacity_message(self, num_tokens: int, worker_id: str | None) -> str:
-        if not self._candidates(worker_id):
-            return "no live worker is available" + (f" (worker {worker_id})" if worker_id else "")
-        return f"a request of {num_tokens} tokens does not fit in any live worker's KV cache"
+    def _no_capacity_message(self, num_tokens: int, worker_id: str | None, role: str | None = None) -> str:
+        kind = f"{role} worker" if role else "worker"
+        if not self._candidates(worker_id, role):
+            return f"no live {kind} is available" + (f" (worker {worker_id})" if worker_id else "")
+        return f"a request of {num_tokens} tokens does not fit in any live {kind}'s KV cache"
 
     def _choose(self, w: _Waiter) -> WorkerCredits | None:
         """Least loaded by free credits: the largest free fraction of pages, then free slots."""
         best: WorkerCredits | None = None
-        for c in self._candidates(w.worker_id):
+        for c in self._candidates(w.worker_id, w.role):
             if c.free_slots < 1 or c.free_pages < c.pages_for(w.num_tokens):
                 continue
             key = (c.free_pages / max(1, c.total_pages), c.free_slots)
@@ -212,27 +224,50 @@ class Admission:
         return best
 
     def _pump(self) -> None:
-        """Serve waiters from the head while the head fits somewhere."""
-        while self._queue:
-            head = self._queue[0]
-            if head.future.done():  # cancelled or timed out: already uncounted
+        """Serve waiters in order while the head fits somewhere.
+
+        Each role (and each pinned worker) has its own head: a request holding decode credits
+        while it waits for prefill ones must not queue behind a request waiting for decode."""
+        if not self._queue:
+            return
+        if all(w.role is None and w.worker_id is None for w in self._queue):  # the common case
+            while self._queue:
+                head = self._queue[0]
+                if head.future.done():  # cancelled or timed out: already uncounted
+                    heapq.heappop(self._queue)
+                    continue
+                chosen = self._choose(head)
+                if chosen is None:
+                    return
                 heapq.heappop(self._queue)
+                self._grant(head, chosen)
+            return
+        blocked: set[tuple[str | None, str | None]] = set()
+        kept: list[_Waiter] = []
+        for w in sorted(self._queue):
+            if w.future.done():
                 continue
-            chosen = self._choose(head)
+            key = (w.role, w.worker_id)
+            chosen = None if key in blocked else self._choose(w)
             if chosen is None:
-                return
-            heapq.heappop(self._queue)
-            self._queued -= 1
-            pages = chosen.pages_for(head.num_tokens)
-            chosen.reserved_pages += pages
-            chosen.reserved_slots += 1
-            if chosen.reported_free_pages is not None:  # until the next report, count it as used
-                chosen.reported_free_pages -= pages
-            if chosen.reported_free_slots is not None:
-                chosen.reported_free_slots -= 1
-            ticket = Ticket(head.request_id, chosen.worker_id, pages)
-            self._tickets[id(ticket)] = ticket
-            head.future.set_result(ticket)
+                blocked.add(key)
+                kept.append(w)
+            else:
+                self._grant(w, chosen)
+        self._queue = kept  # sorted, hence a valid heap
+
+    def _grant(self, w: _Waiter, chosen: WorkerCredits) -> None:
+        self._queued -= 1
+        pages = chosen.pages_for(w.num_tokens)
+        chosen.reserved_pages += pages
+        chosen.reserved_slots += 1
+        if chosen.reported_free_pages is not None:  # until the next report, count it as used
+            chosen.reported_free_pages -= pages
+        if chosen.reported_free_slots is not None:
+            chosen.reported_free_slots -= 1
+        ticket = Ticket(w.request_id, chosen.worker_id, pages)
+        self._tickets[id(ticket)] = ticket
+        w.future.set_result(ticket)
 
     def _drop(self, waiter: _Waiter) -> None:
         if not waiter.future.done():
@@ -242,8 +277,8 @@ class Admission:
 
     def _fail_impossible(self) -> None:
         for w in self._queue:
-            if not w.future.done() and not self._could_ever_fit(w.num_tokens, w.worker_id):
-                w.future.set_exception(NoCapacity(self._no_capacity_message(w.num_tokens, w.worker_id)))
+            if not w.future.done() and not self._could_ever_fit(w.num_tokens, w.worker_id, w.role):
+                w.future.set_exception(NoCapacity(self._no_capacity_message(w.num_tokens, w.worker_id, w.role)))
                 self._queued -= 1
 
     def _retry_after(self) -> float:

@@ -24,6 +24,7 @@ from router.errors import APIError, invalid
 from router.metrics import RouterMetrics
 from router.middleware import ApiKey, BodyLimit
 from router.openai_protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest, now
+from router.pd import PDRouter, PDTimeouts
 from router.preprocess import Preprocessor, served_model_check
 from router.serving import Serving
 from router.worker_pool import WorkerPool, WorkerSpec
@@ -43,6 +44,9 @@ class RouterConfig:
     max_body_bytes: int = 4 << 20
     queue_timeout: float = 30.0
     heartbeat_timeout: float = 3.0
+    pd: bool = False  # prefill/decode disaggregation: workers in roles prefill and decode
+    worker_addrs: tuple[str, ...] = ()  # more endpoints for workers that join (tcp://HOST:PORT)
+    pd_timeouts: PDTimeouts = field(default_factory=PDTimeouts)
 
 
 def create_app(config: RouterConfig) -> FastAPI:
@@ -50,13 +54,17 @@ def create_app(config: RouterConfig) -> FastAPI:
     model_config = ModelConfig.from_pretrained(config.model_dir)
     pre = Preprocessor(tokenizer, model_config, load_generation_config(config.model_dir))
     admission = Admission(config.max_queue, config.queue_timeout)
-    pool = WorkerPool(config.router_addr, config.workers, admission, heartbeat_timeout=config.heartbeat_timeout)
-    metrics = RouterMetrics(pool, admission)
-    serving = Serving(config.served_model_name, pre, tokenizer, pool, admission, metrics, config.request_timeout)
+    pool = WorkerPool(
+        config.router_addr, config.workers, admission, heartbeat_timeout=config.heartbeat_timeout, pd=config.pd,
+        extra_addrs=config.worker_addrs,
+    )  # fmt: skip
+    pd = PDRouter(pool, admission, config.pd_timeouts) if config.pd else None
+    metrics = RouterMetrics(pool, admission, pd)
+    serving = Serving(config.served_model_name, pre, tokenizer, pool, admission, metrics, config.request_timeout, pd)
     warmups: set[asyncio.Task] = set()
 
     def on_ready(worker_id: str) -> None:
-        task = asyncio.create_task(health.warm_up(worker_id, pool, admission, tokenizer))
+        task = asyncio.create_task(health.warm_up(worker_id, pool, admission, tokenizer, pd))
         warmups.add(task)
         task.add_done_callback(warmups.discard)
 
@@ -69,6 +77,8 @@ def create_app(config: RouterConfig) -> FastAPI:
         finally:
             for t in list(warmups):
                 t.cancel()
+            if pd is not None:
+                await pd.stop()
             await pool.stop()
 
     app = FastAPI(title="rlt-serve", lifespan=lifespan, docs_url=None, redoc_url=None)
@@ -77,6 +87,7 @@ def create_app(config: RouterConfig) -> FastAPI:
     app.state.admission = admission
     app.state.metrics = metrics
     app.state.serving = serving
+    app.state.pd = pd
     generation_paths = ("/v1/completions", "/v1/chat/completions")
     errors.install(app, on_invalid=lambda r: metrics.count(400) if r.url.path in generation_paths else None)
     app.add_middleware(ApiKey, api_key=config.api_key)

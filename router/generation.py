@@ -6,6 +6,10 @@ credits for all of them before any is dispatched, so a request is either wholly 
 refused with 429 (never half-run); it then merges their deltas into one stream of
 `ChoiceEvent`s with text already detokenised and stop strings applied.
 
+With prefill/decode disaggregation (`pd` given) each choice takes a decode ticket and then a
+prefill ticket, and is dispatched through `router.pd.PDRouter`, which owns the prefill ticket
+from then on; deltas still arrive from the decode worker exactly as from a `both` worker.
+
 `close()` is synchronous and idempotent: it aborts every choice still running in a worker and
 returns every ticket. Callers put it in a `finally`, which therefore also covers client
 disconnects (task cancellation), deadlines and failures: a request ends exactly once.
@@ -23,6 +27,7 @@ from rlt_serve.tokenizer import Tokenizer
 from router.admission import Admission, NoCapacity, Overloaded, Ticket
 from router.errors import APIError, invalid
 from router.metrics import RouterMetrics
+from router.pd import PDRouter
 from router.text_stream import TextStream
 from router.worker_pool import WorkerPool
 from workers.protocol import Delta, Submit, TokenLogprob
@@ -44,7 +49,8 @@ class Choice:
     prompt_ids: list[int]
     params: SamplingParams
     request_id: str = ""
-    ticket: Ticket | None = None
+    ticket: Ticket | None = None  # the worker that generates (`both` or decode)
+    prefill_ticket: Ticket | None = None  # PD, until handed to the PD driver
     text: TextStream | None = None
     token_ids: list[int] = field(default_factory=list)
     finish_reason: str | None = None
@@ -80,6 +86,8 @@ class Generation:
         priority: int = 0,
         arrival: float | None = None,
         worker_id: str | None = None,
+        pd: PDRouter | None = None,
+        prefill_worker_id: str | None = None,
     ) -> None:
         self.request_id = request_id
         self.choices = choices
@@ -87,7 +95,9 @@ class Generation:
         self.deadline = deadline  # unix time
         self.priority = priority
         self.arrival = arrival if arrival is not None else time.monotonic()
-        self.worker_id = worker_id  # pin (warm-up)
+        self.worker_id = worker_id  # pin (warm-up); with PD, of the decode worker
+        self.pd = pd
+        self.prefill_worker_id = prefill_worker_id  # PD pin (warm-up)
         self._sink: asyncio.Queue[Delta] = asyncio.Queue()
         self._by_id: dict[str, Choice] = {}
         self._running: set[str] = set()
@@ -104,9 +114,10 @@ class Generation:
     async def start(self) -> None:
         """Reserve every choice's credits, then dispatch them all."""
         timeout = self.deadline - time.time()
+        role = "decode" if self.pd is not None else None
         results = await asyncio.gather(
             *(
-                self.admission.acquire(c.request_id, c.footprint, self.priority, self.worker_id, timeout)
+                self.admission.acquire(c.request_id, c.footprint, self.priority, self.worker_id, timeout, role)
                 for c in self.choices
             ),
             return_exceptions=True,
@@ -117,6 +128,21 @@ class Generation:
                 failure = failure or r
             else:
                 c.ticket = r
+        if failure is None and self.pd is not None:  # decode first, then prefill: no cyclic wait
+            timeout = self.deadline - time.time()
+            results = await asyncio.gather(
+                *(
+                    self.admission.acquire(c.request_id, len(c.prompt_ids), self.priority, self.prefill_worker_id,
+                                           timeout, "prefill")  # fmt: skip
+                    for c in self.choices
+                ),
+                return_exceptions=True,
+            )
+            for c, r in zip(self.choices, results):
+                if isinstance(r, BaseException):
+                    failure = failure or r
+                else:
+                    c.prefill_ticket = r
         if failure is not None:
             self.close()
             if isinstance(failure, Overloaded):
@@ -131,8 +157,14 @@ class Generation:
             assert c.ticket is not None
             sampling = {name: getattr(c.params, name) for name in _WORKER_FIELDS}
             sampling["detokenize"] = False
-            msg = Submit(c.request_id, c.prompt_ids, sampling, deadline=self.deadline, priority=self.priority)
             self._running.add(c.request_id)
+            if self.pd is not None:
+                assert c.prefill_ticket is not None
+                ticket, c.prefill_ticket = c.prefill_ticket, None  # the driver releases it
+                self.pd.start(c.request_id, c.prompt_ids, sampling, self.deadline, self.priority, c.ticket, ticket,
+                              self._sink)  # fmt: skip
+                continue
+            msg = Submit(c.request_id, c.prompt_ids, sampling, deadline=self.deadline, priority=self.priority)
             self.pool.submit(c.ticket.worker_id, msg, self._sink)
 
     # -- the stream -------------------------------------------------------------------------
@@ -178,7 +210,7 @@ class Generation:
         logprobs = d.logprobs[: len(kept)] if d.logprobs is not None else None
         if text.finished and text.stop_reason is not None:  # a stop string: the worker may still run
             c.finish_reason, c.stop_reason = "stop", text.stop_reason
-            self.pool.abort(c.request_id)
+            self._abort(c.request_id)
             self._end(c)
         elif d.finish_reason is not None:
             text.finish()
@@ -195,10 +227,14 @@ class Generation:
             err = invalid(error)
             if err.param is not None:
                 return err
+        if error.startswith("worker ") and "timed out" in error:
+            return APIError(504, error, code="timeout")
         return APIError(503 if error.startswith("worker ") else 500, error, code="worker_error")
 
     def _end(self, c: Choice) -> None:
         self._running.discard(c.request_id)
+        if self.pd is not None:  # however it ended, the handoff's other side lets go
+            self.pd.cancel(c.request_id)
         if c.ticket is not None:
             self.admission.release(c.ticket)
         now = time.monotonic()
@@ -212,9 +248,17 @@ class Generation:
             return
         self._closed = True
         for rid in list(self._running):
-            self.pool.abort(rid)
+            self._abort(rid)
         self._running.clear()
         for c in self.choices:
             if c.ticket is not None:
                 self.admission.release(c.ticket)
+            if c.prefill_ticket is not None:
+                self.admission.release(c.prefill_ticket)
             self.pool.forget(c.request_id)
+
+    def _abort(self, request_id: str) -> None:
+        if self.pd is not None:
+            self.pd.cancel(request_id)
+        else:
+            self.pool.abort(request_id)

@@ -1,7 +1,10 @@
 """`rlt-serve launch`: start the workers, wait until each is ready, then serve the router.
 
 Workers are separate processes (one engine each) reached over ipc:// sockets in a private run
-directory; the router runs in this process under uvicorn. Loading is waited for before the port
+directory; the router runs in this process under uvicorn. `--prefill P --decode D` starts
+prefill/decode disaggregation (P prefill and D decode workers, see `router.pd`); `--worker-port`
+also binds the router's worker endpoint on TCP, so workers started elsewhere
+(`rlt-serve worker --router tcp://HOST:PORT`) can join, and P or D may then be 0. Loading is waited for before the port
 opens, so a client never meets a half-started server. While serving, a worker that exits is
 reported and handed to the router's pool as dead, so its requests fail instead of hanging. On
 SIGINT/SIGTERM uvicorn stops accepting and finishes open responses (bounded), then the workers
@@ -42,8 +45,18 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None, help="checkpoint directory (default: the built-in demo model)")
     p.add_argument("--served-model-name", default=None, help="model name in the API (default: --model as given)")
     p.add_argument("--workers", type=int, default=None, help="worker processes in role 'both' (default 1)")
-    p.add_argument("--prefill", type=int, default=None, help="prefill workers (PD disaggregation; not implemented yet)")
-    p.add_argument("--decode", type=int, default=None, help="decode workers (PD disaggregation; not implemented yet)")
+    p.add_argument("--prefill", type=int, default=None, help="prefill workers (prefill/decode disaggregation)")
+    p.add_argument("--decode", type=int, default=None, help="decode workers (prefill/decode disaggregation)")
+    p.add_argument("--kv-transport", default="nixl", choices=["nixl", "zmq"],
+                   help="PD: how KV moves between workers (nixl: UCX, device memory on GPU; zmq: copies)")  # fmt: skip
+    p.add_argument("--kv-transfer-timeout", type=float, default=30.0,
+                   help="PD: seconds one KV write (and the activation after it) may take")  # fmt: skip
+    p.add_argument("--kv-transfer-budget-bytes", type=int, default=256 << 20,
+                   help="PD: KV bytes a prefill worker keeps in flight")  # fmt: skip
+    p.add_argument("--worker-host", default="127.0.0.1", help="with --worker-port: the interface to bind")
+    p.add_argument("--worker-port", type=int, default=None,
+                   help="also accept workers that join over tcp://WORKER_HOST:PORT (0: a free port, printed)")  # fmt: skip
+    p.add_argument("--heartbeat-timeout", type=float, default=3.0, help="seconds of silence before a worker is dead")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000, help="0 picks a free port (printed at start)")
     p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
@@ -85,6 +98,8 @@ def _device_envs(device: str, n: int) -> list[dict[str, str]]:
     CPU workers split the cores between them: each engine's thread pool would otherwise spin on
     every core, and N of them contending slows every step several-fold. An OMP_NUM_THREADS the
     user set is left alone."""
+    if n == 0:
+        return []
     ids = [] if device == "cpu" else _gpu_ids()
     if len(ids) >= n:
         return [{"CUDA_VISIBLE_DEVICES": ids[i]} for i in range(n)]
@@ -148,7 +163,11 @@ async def _supervise(server, app, procs: list[WorkerProcess], announce: str) -> 
             announced = True
             host, port = server.servers[0].sockets[0].getsockname()[:2]
             base = f"http://{host}:{port}"
-            print(announce.replace("{base}", base), flush=True)
+            text = announce.replace("{base}", base)
+            pool = getattr(app.state, "pool", None)
+            for addr in pool.bound_addrs() if pool is not None else []:
+                text += f"\n  workers join at: {addr}"
+            print(text, flush=True)
         for p in procs:
             wid = p.spec.worker_id
             if wid in dead or p.exit_code() is None:
@@ -171,18 +190,44 @@ async def _serve(server, app, procs: list[WorkerProcess], announce: str) -> None
         supervisor.cancel()
 
 
+def roles(args: argparse.Namespace) -> list[str] | str:
+    """The role of each worker to start, or why the options do not fit together."""
+    if args.prefill is None and args.decode is None:
+        n = args.workers if args.workers is not None else 1
+        if n < 0 or (n == 0 and args.worker_port is None):
+            return "--workers must be >= 1 (or 0 with --worker-port, for workers that join)"
+        return ["both"] * n
+    if args.workers is not None:
+        return "--workers starts workers in role 'both'; it cannot be combined with --prefill/--decode"
+    p, d = args.prefill or 0, args.decode or 0
+    if p < 0 or d < 0:
+        return "--prefill and --decode must be >= 0"
+    if (p == 0 or d == 0) and args.worker_port is None:
+        return "prefill/decode disaggregation needs --prefill >= 1 and --decode >= 1 (or --worker-port, for workers that join)"
+    return ["prefill"] * p + ["decode"] * d
+
+
+def pd_unsupported(args: argparse.Namespace) -> str | None:
+    """Engine options the handoff cannot serve, refused before anything starts."""
+    if args.kv_transport == "nixl":
+        from workers.transfer.nixl_agent import nixl_unavailable
+
+        why = nixl_unavailable()
+        if why is not None:
+            return f"--kv-transport nixl: {why}; or choose --kv-transport zmq"
+    return None
+
+
 def run(args: argparse.Namespace) -> int:
-    if args.prefill is not None or args.decode is not None:
-        print(
-            "rlt-serve launch: roles prefill/decode are not implemented yet (prefill/decode disaggregation "
-            "is a later issue); use --workers N for workers in role 'both'",
-            file=sys.stderr,
-        )
+    plan = roles(args)
+    if isinstance(plan, str):
+        print(f"rlt-serve launch: {plan}", file=sys.stderr)
         return 2
-    n = args.workers if args.workers is not None else 1
-    if n < 1:
-        print("rlt-serve launch: --workers must be >= 1", file=sys.stderr)
+    pd = args.prefill is not None or args.decode is not None
+    if pd and (why := pd_unsupported(args)) is not None:
+        print(f"rlt-serve launch: {why}", file=sys.stderr)
         return 2
+    n = len(plan)
     if args.model:
         model, name = args.model, args.served_model_name or args.model
     else:
@@ -196,20 +241,26 @@ def run(args: argparse.Namespace) -> int:
     router_addr = f"ipc://{run_dir}/router"
     procs: list[WorkerProcess] = []
     try:
-        for i, env in enumerate(_device_envs(args.device, n)):
+        counts: dict[str, int] = {}
+        for role, env in zip(plan, _device_envs(args.device, n)):
+            k = counts[role] = counts.get(role, 0) + 1
+            wid = str(k - 1) if role == "both" else f"{role[0]}{k - 1}"  # 0, 1, ... or p0, d0, ...
             spec = WorkerLaunch(
-                worker_id=str(i),
-                role="both",
+                worker_id=wid,
+                role=role,  # type: ignore[arg-type]
                 model=model,
-                in_addr=f"ipc://{run_dir}/worker-{i}",
+                in_addr=f"ipc://{run_dir}/worker-{wid}",
                 out_addr=router_addr,
                 device=args.device,
                 dtype=args.dtype,
                 engine_args=engine_args(args),
                 env=env,
+                pd_args=pd_worker_args(args) if role != "both" else [],
             )
             procs.append(WorkerProcess(spec))
-        print(f"rlt-serve: loading {model} in {n} worker(s): pids {', '.join(str(p.pid) for p in procs)}", flush=True)
+        if procs:
+            print(f"rlt-serve: loading {model} in {n} worker(s): pids {', '.join(str(p.pid) for p in procs)}",
+                  flush=True)  # fmt: skip
         error = _wait_ready(procs, args.load_timeout, stop)
         if error is not None:
             print(f"rlt-serve launch: {error}", file=sys.stderr)
@@ -224,11 +275,22 @@ def run(args: argparse.Namespace) -> int:
             signal.signal(sig, handler)
 
 
+def pd_worker_args(args: argparse.Namespace) -> list[str]:
+    """The command-line options a PD worker takes from `launch`'s."""
+    return ["--kv-transport", args.kv_transport, "--kv-transfer-timeout", str(args.kv_transfer_timeout),
+            "--kv-transfer-budget-bytes", str(args.kv_transfer_budget_bytes)]  # fmt: skip
+
+
 def _serve_router(args: argparse.Namespace, model: str, name: str, router_addr: str, procs: list[WorkerProcess]) -> int:
     import uvicorn
 
     from router.app import RouterConfig, WorkerSpec, create_app
+    from router.pd import PDTimeouts
 
+    pd = args.prefill is not None or args.decode is not None
+    worker_addrs = (f"tcp://{args.worker_host}:{args.worker_port}",) if args.worker_port is not None else ()
+    if worker_addrs and worker_addrs[0].endswith(":0"):
+        worker_addrs = (worker_addrs[0][: -len(":0")] + ":*",)  # zmq's wildcard port
     config = RouterConfig(
         model_dir=model,
         served_model_name=name,
@@ -238,6 +300,11 @@ def _serve_router(args: argparse.Namespace, model: str, name: str, router_addr: 
         max_queue=args.max_queue,
         request_timeout=args.request_timeout,
         max_body_bytes=args.max_body_bytes,
+        heartbeat_timeout=args.heartbeat_timeout,
+        pd=pd,
+        worker_addrs=worker_addrs,
+        pd_timeouts=PDTimeouts(prefill=args.request_timeout, transfer=args.kv_transfer_timeout,
+                               activate=args.kv_transfer_timeout + 5.0),
     )
     app = create_app(config)
     server = uvicorn.Server(
@@ -249,7 +316,12 @@ def _serve_router(args: argparse.Namespace, model: str, name: str, router_addr: 
             timeout_graceful_shutdown=args.shutdown_timeout,
         )
     )
-    announce = f"rlt-serve: serving {name!r} with {len(procs)} worker(s) at " + (
+    if pd:
+        p = sum(w.spec.role == "prefill" for w in procs)
+        workers = f"{p} prefill + {len(procs) - p} decode worker(s)"
+    else:
+        workers = f"{len(procs)} worker(s)"
+    announce = f"rlt-serve: serving {name!r} with {workers} at " + (
         "{base}\n"
         "  OpenAI API: {base}/v1 (completions, chat/completions, models)\n"
         "  health: {base}/health  metrics: {base}/metrics"

@@ -12,11 +12,12 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.registry import Collector
 
 from router.admission import Admission
+from router.pd import PHASES, PDRouter
 from router.worker_pool import WorkerPool
 
 _LATENCY = (
@@ -59,14 +60,22 @@ ROUTER_METRIC_NAMES = (
     "rlt:credits_free_slots",
     "rlt:router_queue_length",
     "rlt:router_streams",
+    "rlt:router_tickets",
+    "rlt:role_credits_reserved_pages",
+    "rlt:role_credits_free_pages",
+    "rlt:role_credits_reserved_slots",
+    "rlt:role_credits_free_slots",
+    "rlt:pd_requests",
+    "rlt:pd_failures_total",
+    "rlt:pd_handoff_seconds",
 )
 
 
 class _StateCollector(Collector):
     """Gauges over the pool and the admission book, computed per scrape."""
 
-    def __init__(self, pool: WorkerPool, admission: Admission) -> None:
-        self.pool, self.admission = pool, admission
+    def __init__(self, pool: WorkerPool, admission: Admission, pd: PDRouter | None) -> None:
+        self.pool, self.admission, self.pd = pool, admission, pd
 
     def collect(self) -> Iterator[Metric]:
         up = GaugeMetricFamily("rlt:worker_up", "1 while the worker is alive and ready.", labels=["worker"])
@@ -93,6 +102,36 @@ class _StateCollector(Collector):
         yield GaugeMetricFamily(
             "rlt:router_streams", "Worker requests the router is reading.", value=self.pool.num_streams
         )
+        yield GaugeMetricFamily(
+            "rlt:router_tickets", "Credit tickets not yet returned.", value=len(self.admission.outstanding())
+        )
+        yield from self._roles()
+        # PD families exist without PD too (all zero), so dashboards and scrapes see one schema.
+        counts = self.pd.phase_counts() if self.pd is not None else dict.fromkeys(PHASES, 0)
+        phases = GaugeMetricFamily("rlt:pd_requests", "PD handoffs in flight by phase.", labels=["phase"])
+        for phase, n in counts.items():
+            phases.add_metric([phase], n)
+        yield phases
+        failures = CounterMetricFamily("rlt:pd_failures", "PD handoffs that failed, by phase.", labels=["phase"])
+        for phase in PHASES:
+            failures.add_metric([phase], self.pd.failures.get(phase, 0) if self.pd is not None else 0)
+        yield failures
+
+    def _roles(self) -> Iterator[Metric]:
+        """Credits summed per role (both | prefill | decode) over live workers."""
+        names = ("reserved_pages", "free_pages", "reserved_slots", "free_slots")
+        sums: dict[str, dict[str, int]] = {n: {} for n in names}
+        for c in self.admission.workers.values():
+            alive = c.accepting
+            vals = (c.reserved_pages, c.free_pages if alive else 0, c.reserved_slots, c.free_slots if alive else 0)
+            for n, v in zip(names, vals):
+                sums[n][c.role] = sums[n].get(c.role, 0) + v
+        for n in names:
+            fam = GaugeMetricFamily(f"rlt:role_credits_{n}", f"Credits ({n.replace('_', ' ')}) per worker role.",
+                                    labels=["role"])  # fmt: skip
+            for role, v in sorted(sums[n].items()):
+                fam.add_metric([role], v)
+            yield fam
 
 
 class _WorkerCollector(Collector):
@@ -128,7 +167,7 @@ class _WorkerCollector(Collector):
 
 
 class RouterMetrics:
-    def __init__(self, pool: WorkerPool, admission: Admission) -> None:
+    def __init__(self, pool: WorkerPool, admission: Admission, pd: PDRouter | None = None) -> None:
         self.registry = CollectorRegistry(auto_describe=False)
         r = self.registry
         self.ttft = Histogram(
@@ -153,7 +192,12 @@ class RouterMetrics:
         self.requests = Counter(
             "rlt:router_requests", "HTTP generation requests by status code.", ["status"], registry=r
         )
-        r.register(_StateCollector(pool, admission))
+        self.handoff = Histogram(
+            "rlt:pd_handoff_seconds", "PD: router admission to the decode worker's commit.", buckets=_LATENCY, registry=r
+        )
+        if pd is not None:
+            pd.on_handoff = self.handoff.observe
+        r.register(_StateCollector(pool, admission, pd))
         r.register(_WorkerCollector(pool))
 
     def count(self, status: int) -> None:

@@ -26,6 +26,7 @@ from router.admission import Admission
 from router.errors import APIError
 from router.generation import Choice, ChoiceEvent, Generation
 from router.metrics import RouterMetrics
+from router.pd import PDRouter
 from router.openai_protocol import ChatCompletionRequest, CompletionRequest
 from router.preprocess import Preprocessor, served_model_check
 from router.worker_pool import WorkerPool
@@ -157,8 +158,10 @@ class Serving:
         admission: Admission,
         metrics: RouterMetrics,
         request_timeout: float,
+        pd: PDRouter | None = None,
     ) -> None:
         self.model = served_model_name
+        self.pd = pd
         self.pre = pre
         self.tokenizer = tokenizer
         self.pool, self.admission, self.metrics = pool, admission, metrics
@@ -218,7 +221,7 @@ class Serving:
     async def _serve(self, request, req, rid: str, choices: list[Choice], prompts, fmt: _Format, arrival: float):
         gen = Generation(
             rid, choices, self.pool, self.admission, self.metrics, self.tokenizer,
-            deadline=time.time() + self.request_timeout, priority=req.priority, arrival=arrival,
+            deadline=time.time() + self.request_timeout, priority=req.priority, arrival=arrival, pd=self.pd,
         )  # fmt: skip
         created = oai.now()
         num_prompt = sum(len(p) for p in prompts)

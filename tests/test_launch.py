@@ -172,9 +172,45 @@ def _launch_rc(tmp_path: Path, *args: str) -> subprocess.CompletedProcess:
     return subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=60)
 
 
-def test_prefill_decode_roles_are_refused(tmp_path: Path) -> None:
-    r = _launch_rc(tmp_path, "--prefill", "1", "--decode", "1")
-    assert r.returncode == 2 and "prefill/decode are not implemented yet" in r.stderr
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (("--prefill", "1"), "needs --prefill >= 1 and --decode >= 1"),
+        (("--prefill", "1", "--decode", "1", "--workers", "2"), "cannot be combined with --prefill/--decode"),
+        (("--workers", "0"), "--workers must be >= 1"),
+    ],
+)
+def test_unsupported_worker_plans_are_refused(tmp_path: Path, args: tuple[str, ...], message: str) -> None:
+    r = _launch_rc(tmp_path, *args)
+    assert r.returncode == 2 and message in r.stderr, r.stderr
+
+
+def test_worker_of_the_wrong_role_is_refused_when_joining(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A decode worker cannot join a router that serves `both` workers: it exits, saying why."""
+    env = {**os.environ, "RLT_SERVE_CACHE": str(tmp_path / "cache")}
+    cmd = [sys.executable, "-m", "rlt_serve.cli", "launch", "--port", "0", "--device", "cpu", "--workers", "0",
+           "--worker-port", "0", *ENGINE]  # fmt: skip
+    proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        endpoint = None
+        for line in proc.stdout:  # type: ignore[union-attr]
+            if m := re.search(r"workers join at: (tcp://\S+)", line):
+                endpoint = m.group(1)
+                break
+        assert endpoint, "no worker endpoint announced"
+        from rlt_serve.demo import ensure_demo
+
+        monkeypatch.setenv("RLT_SERVE_CACHE", str(tmp_path / "cache"))
+        worker = subprocess.run(
+            [sys.executable, "-m", "rlt_serve.cli", "worker", "--role", "decode", "--router", endpoint, "--model",
+             ensure_demo(), "--device", "cpu", "--kv-transport", "zmq", *ENGINE],
+            cwd=REPO, env=env, capture_output=True, text=True, timeout=60,
+        )  # fmt: skip
+        assert worker.returncode == 0
+        assert "refused it: this router serves workers in role 'both'" in worker.stderr, worker.stderr[-2000:]
+    finally:
+        proc.terminate()
+        proc.wait(30)
 
 
 def test_worker_that_fails_to_load_is_reported(tmp_path: Path) -> None:

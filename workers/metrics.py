@@ -9,14 +9,17 @@ num_loops - 1), the loops behind each plainly sampled token, and speculation's p
 acceptance and draft depth. The other histograms are observed by the worker loop:
 per core call (rows, depths, tokens, step time) and per request (prefill and decode time as this
 worker sees them). The router relabels the text with the worker
-id and merges it into its own /metrics.
+id and merges it into its own /metrics. Prefill/decode workers add the KV transfer families
+(bytes and chunks by direction, per-write and per-request latency, failures by reason, bytes and
+writes in flight, registrations, held requests); every worker exports them, zero where unused, so
+dashboards see one schema.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator
 
-from prometheus_client import CollectorRegistry, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
 
@@ -32,6 +35,11 @@ GAUGES = (
     "rlt:kv_cache_free_pages",
     "rlt:kv_cache_total_pages",
     "rlt:swap_used_bytes",
+    "rlt:kv_transfer_in_flight_bytes",
+    "rlt:kv_transfer_in_flight_writes",
+    "rlt:kv_transfer_registrations",
+    "rlt:pd_requests_held",
+    "rlt:pd_free_state_slots",
 )
 COUNTERS = (
     "rlt:num_preemptions_total",
@@ -46,6 +54,9 @@ COUNTERS = (
     "rlt:spec_decode_num_draft_tokens_total",
     "rlt:spec_decode_num_accepted_tokens_total",
     "rlt:spec_decode_num_accepted_tokens_per_pos_total",  # label position: rounds whose draft i was kept
+    "rlt:kv_transfer_bytes_total",  # label direction: sent | received
+    "rlt:kv_transfer_chunks_total",  # label direction: sent | received
+    "rlt:kv_transfer_failures_total",  # label reason: error | timeout | stale | bad_notification
 )
 HISTOGRAMS = (
     "rlt:core_call_rows",
@@ -58,6 +69,8 @@ HISTOGRAMS = (
     "rlt:engine_step_seconds",
     "rlt:request_prefill_time_seconds",
     "rlt:request_decode_time_seconds",
+    "rlt:kv_transfer_write_seconds",
+    "rlt:kv_transfer_request_seconds",
 )
 METRIC_NAMES: tuple[str, ...] = GAUGES + COUNTERS + HISTOGRAMS
 
@@ -172,6 +185,35 @@ class WorkerMetrics:
         self.decode_seconds = hist(
             "rlt:request_decode_time_seconds", "First token to finish, on the worker.", _REQUEST_SECONDS
         )
+        r = self.registry
+        self.transfer_bytes = Counter("rlt:kv_transfer_bytes", "KV and final-state bytes moved (PD).",
+                                      ["direction"], registry=r)  # fmt: skip
+        self.transfer_chunks = Counter("rlt:kv_transfer_chunks", "KV writes (one per chunk, plus the final state).",
+                                       ["direction"], registry=r)  # fmt: skip
+        for d in ("sent", "received"):
+            self.transfer_bytes.labels(d)
+            self.transfer_chunks.labels(d)
+        self.transfer_failures = Counter("rlt:kv_transfer_failures", "KV writes or notifications that failed.",
+                                         ["reason"], registry=r)  # fmt: skip
+        for reason in ("error", "timeout", "stale", "bad_notification"):
+            self.transfer_failures.labels(reason)
+        self.write_seconds = hist("rlt:kv_transfer_write_seconds", "One KV write, posted to complete.", _SECONDS)
+        self.request_transfer_seconds = Histogram(
+            "rlt:kv_transfer_request_seconds", "Per request: prefill accepted to every write complete (prefill), "
+            "reserved to activated (decode).", ["role"], buckets=_REQUEST_SECONDS, registry=r,
+        )  # fmt: skip
+        for role in ("prefill", "decode"):
+            self.request_transfer_seconds.labels(role)
+        self.in_flight_bytes = Gauge("rlt:kv_transfer_in_flight_bytes", "KV bytes posted, not yet complete.",
+                                     registry=r)  # fmt: skip
+        self.in_flight_writes = Gauge("rlt:kv_transfer_in_flight_writes", "KV writes posted, not yet complete.",
+                                      registry=r)  # fmt: skip
+        self.registrations = Gauge("rlt:kv_transfer_registrations", "Memory regions registered with the transport.",
+                                   registry=r)  # fmt: skip
+        self.held = Gauge("rlt:pd_requests_held", "PD requests held: prefills awaiting release, reservations "
+                          "awaiting activation.", registry=r)  # fmt: skip
+        self.free_state_slots = Gauge("rlt:pd_free_state_slots", "Free final-state slots of the handoff buffer.",
+                                      registry=r)  # fmt: skip
 
     def update_stats(self, stats: EngineStats) -> None:
         self._stats.stats = stats
@@ -184,6 +226,34 @@ class WorkerMetrics:
         self.core_call_depths.observe(stats.last_num_depths)
         self.core_call_tokens.observe(stats.last_num_tokens)
         self.step_seconds.observe(seconds)
+
+    # -- PD transfers ------------------------------------------------------------------------
+    def observe_write(self, nbytes: int, seconds: float) -> None:
+        self.transfer_bytes.labels("sent").inc(nbytes)
+        self.transfer_chunks.labels("sent").inc()
+        self.write_seconds.observe(seconds)
+
+    def count_received(self, nbytes: int) -> None:
+        self.transfer_bytes.labels("received").inc(nbytes)
+        self.transfer_chunks.labels("received").inc()
+
+    def count_transfer_failure(self, reason: str) -> None:
+        self.transfer_failures.labels(reason).inc()
+
+    def observe_prefill_transfer(self, seconds: float) -> None:
+        self.request_transfer_seconds.labels("prefill").observe(seconds)
+
+    def observe_receive(self, seconds: float) -> None:
+        self.request_transfer_seconds.labels("decode").observe(seconds)
+
+    def set_in_flight(self, nbytes: int, writes: int) -> None:
+        self.in_flight_bytes.set(nbytes)
+        self.in_flight_writes.set(writes)
+
+    def set_pd_counts(self, held: int, registrations: int, free_state_slots: int) -> None:
+        self.held.set(held)
+        self.registrations.set(registrations)
+        self.free_state_slots.set(free_state_slots)
 
     def render(self) -> str:
         return generate_latest(self.registry).decode()

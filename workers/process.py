@@ -33,6 +33,7 @@ class WorkerLaunch:
     dtype: str = "auto"
     engine_args: dict = field(default_factory=dict)
     env: dict[str, str] = field(default_factory=dict)  # added to the launcher's environment
+    pd_args: list[str] = field(default_factory=list)  # more worker options (PD roles)
 
 
 class WorkerProcess:
@@ -43,7 +44,7 @@ class WorkerProcess:
             "--worker-id", spec.worker_id, "--role", spec.role, "--model", spec.model,
             "--in-addr", spec.in_addr, "--out-addr", spec.out_addr,
             "--device", spec.device, "--dtype", spec.dtype,
-            "--engine-args", json.dumps(spec.engine_args),
+            "--engine-args", json.dumps(spec.engine_args), *spec.pd_args,
         ]  # fmt: skip
         self.proc = subprocess.Popen(
             cmd,

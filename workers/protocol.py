@@ -1,8 +1,18 @@
 """Typed messages between the router and worker processes, serialised in one place.
 
-One msgspec Struct per message kind, tagged so a single decoder reads any of them. The protocol
-already names roles (`prefill`, `decode`, `both`) so PD disaggregation adds messages rather than
-changing these. Token deltas carry ids only: the router detokenises.
+One msgspec Struct per message kind, tagged so a single decoder reads any of them. Token deltas
+carry ids only: the router detokenises.
+
+Prefill/decode disaggregation (PD) adds messages rather than changing these. The router is the
+coordinator and every PD control message goes through it, so it always knows a request's phase:
+
+    router -> decode   Reserve            decode -> router  Reserved (pages, cached prefix, generation)
+    router -> prefill  Prefill            prefill -> router PrefillDone (final state; KV went over the transport)
+    router -> decode   Activate           decode -> router  Committed, then Deltas as a `both` worker
+    router -> prefill  Release | Abort    prefill -> router PrefillReleased (no write in flight, pages freed)
+
+Transport identities travel the same way: each PD worker sends `PeerInfo` after `Ready`, and the
+router sends every worker the whole `PeerTable` whenever it changes (late joiners included).
 """
 
 from __future__ import annotations
@@ -28,6 +38,7 @@ class Abort(msgspec.Struct, tag="abort"):
 
 class Shutdown(msgspec.Struct, tag="shutdown"):
     drain: bool = True
+    reason: str = ""  # set when the router refuses a worker that tried to join
 
 
 class Ready(msgspec.Struct, tag="ready"):
@@ -39,7 +50,113 @@ class Ready(msgspec.Struct, tag="ready"):
     total_pages: int
     max_num_seqs: int
     max_model_len: int
+    # Where the router reaches this worker's inbox. Launched workers leave it empty (the launcher
+    # chose the address); a worker that joins a running router (`rlt-serve worker`) names it here.
+    in_addr: str = ""
+    kv_transport: str = ""  # PD roles: "nixl" | "zmq"
 
+
+class PeerInfo(msgspec.Struct, tag="peer_info"):
+    """A PD worker's transport identity (e.g. NIXL agent metadata), for its peers."""
+
+    worker_id: str
+    role: Role
+    transport: str
+    metadata: bytes
+    layout: dict[str, int] = {}  # workers.transfer.regions.KVLayout fields: how to address its KV
+
+
+class PeerTable(msgspec.Struct, tag="peer_table"):
+    """Every live PD worker's identity; sent whole to every worker whenever it changes."""
+
+    peers: list[PeerInfo]
+
+
+# -- PD control (see the module docstring for the order) --------------------------------------
+
+
+class Reserve(msgspec.Struct, tag="reserve"):
+    """Router -> decode: hold receiving pages and a slot for a request before anyone computes."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling: dict[str, Any]
+    deadline: float
+    priority: int = 0
+
+
+class Reserved(msgspec.Struct, tag="reserved"):
+    """Decode -> router: the reservation, or why there is none (`error`)."""
+
+    request_id: str
+    worker_id: str
+    generation: int = 0
+    page_ids: list[int] = []
+    num_cached_tokens: int = 0  # decode-side prefix-cache hit: not sent again
+    seed: int = 0  # the prefill runs with the decode side's seed (Huginn's state depends on it)
+    state_slot: int = 0  # row of the decode side's final-state buffer the last write fills
+    error: str | None = None
+
+
+class Prefill(msgspec.Struct, tag="prefill"):
+    """Router -> prefill: compute the prompt and push its KV into `decode_worker`'s pages."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling: dict[str, Any]
+    deadline: float
+    decode_worker: str
+    page_ids: list[int]
+    num_cached_tokens: int
+    generation: int
+    seed: int
+    state_slot: int
+    priority: int = 0
+
+
+class PrefillDone(msgspec.Struct, tag="prefill_done"):
+    """Prefill -> router: every KV write completed; `state` is what decode needs to continue."""
+
+    request_id: str
+    worker_id: str
+    generation: int
+    model_state: dict[str, Any] = {}  # per-request model state (Huginn's), checked on decode
+    chunks: list[tuple[int, int]] = []  # (first_page, num_pages) of every KV write, for the commit
+    num_writes: int = 0  # writes (each with one notification), the final-state one included
+    num_bytes: int = 0
+    error: str | None = None  # the prefill failed; it has released everything (no PrefillReleased)
+
+
+class Activate(msgspec.Struct, tag="activate"):
+    """Router -> decode: the KV is written (after `num_writes` notifications); start decoding."""
+
+    request_id: str
+    generation: int
+    model_state: dict[str, Any]
+    chunks: list[tuple[int, int]]
+    num_writes: int
+    deadline: float = 0.0  # unix time by which the writes' notifications must have arrived
+
+
+class Committed(msgspec.Struct, tag="committed"):
+    """Decode -> router: the request is active; the prefill side may release its pages."""
+
+    request_id: str
+    worker_id: str
+    generation: int
+
+
+class Release(msgspec.Struct, tag="release"):
+    """Router -> prefill: the decode side committed; free the request's pages."""
+
+    request_id: str
+
+
+class PrefillReleased(msgspec.Struct, tag="prefill_released"):
+    """Prefill -> router: no write of this request is in flight and its pages are free."""
+
+    request_id: str
+    worker_id: str
 
 class TokenLogprob(msgspec.Struct, array_like=True):
     token_id: int
@@ -72,6 +189,10 @@ class Capacity(msgspec.Struct, tag="capacity"):
     total_slots: int
     running: int
     waiting: int
+    # PD bookkeeping, so tests and operators can check that everything came back.
+    reservations: int = 0  # PD requests held: decode, reserved not yet activated; prefill, not yet released
+    transfers: int = 0  # open transport handles (writes not yet reaped)
+    registrations: int = 0  # transport: registered buffers
 
 
 class Health(msgspec.Struct, tag="health"):
@@ -96,8 +217,9 @@ class Loading(msgspec.Struct, tag="loading"):
     detail: str = ""
 
 
-ToWorker = Union[Submit, Abort, Shutdown]
-ToRouter = Union[Ready, Delta, Capacity, Health, Metrics]
+ToWorker = Union[Submit, Abort, Shutdown, PeerTable, Reserve, Prefill, Activate, Release]
+ToRouter = Union[Ready, Delta, Capacity, Health, Metrics, PeerInfo, Reserved, PrefillDone, Committed, PrefillReleased]
+PDReply = Union[Reserved, PrefillDone, Committed, PrefillReleased]
 
 _encoder = msgspec.msgpack.Encoder()
 _to_worker = msgspec.msgpack.Decoder(ToWorker)

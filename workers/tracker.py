@@ -46,6 +46,11 @@ class RequestTracker:
     def add(self, request_id: str, deadline: float, want_prompt_logprobs: bool) -> None:
         self._reqs[request_id] = Tracked(request_id, deadline, want_prompt_logprobs, time.monotonic())
 
+    def set_deadline(self, request_id: str, deadline: float) -> None:
+        req = self._reqs.get(request_id)
+        if req is not None:
+            req.deadline = deadline
+
     def mark_aborted(self, request_id: str, error: str) -> bool:
         """Note why the worker aborts a request; False if unknown or already being aborted."""
         req = self._reqs.get(request_id)

@@ -18,6 +18,7 @@ from rlt_serve.config import HUGINN, ConfigError, EngineConfig, ModelConfig, che
 from dataclasses import dataclass, field
 
 from rlt_serve.engine.block_manager import BlockManager
+from rlt_serve.engine.handoff import Handoff, KVChunk, Reservation
 from rlt_serve.engine.model_runner import ModelRunner
 from rlt_serve.engine.output_processor import OutputProcessor
 from rlt_serve.engine.sampler import Sampler, top_logprobs
@@ -132,6 +133,7 @@ class LLMEngine:
         self._aborted: list[Sequence] = []
         self._rng = random.Random(cfg.seed)
         self._stats = EngineStats(num_pages=num_pages)
+        self.handoff = Handoff(self)
         logger.info("%s", self.kv_capacity_report())
 
     def kv_capacity_report(self) -> str:
@@ -187,11 +189,20 @@ class LLMEngine:
         prompt: str | None = None,
         priority: int = 0,
     ) -> None:
-        if request_id in self._seqs:
+        seq = self._new_sequence(request_id, prompt_token_ids, params, prompt, priority)
+        self._seqs[request_id] = seq
+        self.scheduler.add(seq)
+
+    def _new_sequence(
+        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, prompt: str | None = None,
+        priority: int = 0, seed: int | None = None,
+    ) -> Sequence:
+        if request_id in self._seqs or self.handoff.holds(request_id):
             raise ValueError(f"request_id {request_id!r} is already running")
         self._validate(prompt_token_ids, params)
         num_loops = params.num_loops or self.model_config.num_loops
-        seed = params.seed if params.seed is not None else self._rng.getrandbits(63)
+        if seed is None:
+            seed = params.seed if params.seed is not None else self._rng.getrandbits(63)
         gen = torch.Generator(device=self.device)
         gen.manual_seed(seed)
         seq = Sequence(request_id, list(prompt_token_ids), params, num_loops, gen, prompt=prompt, priority=priority)
@@ -200,8 +211,54 @@ class LLMEngine:
 
             seq.detokenizer = IncrementalDetokenizer(self.tokenizer, skip_special_tokens=params.skip_special_tokens)
         self.runner.model.prepare_sequence(seq)
-        self._seqs[request_id] = seq
-        self.scheduler.add(seq)
+        return seq
+
+    # -- prefill/decode disaggregation (see rlt_serve.engine.handoff) ----------------------
+    def add_prefill_request(
+        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, skip_tokens: int = 0,
+        seed: int | None = None, priority: int = 0,
+    ) -> None:
+        """Compute the prompt through every depth without sampling; its KV comes out of
+        `pop_kv_chunks()` as it becomes final. `seed`: the decode side's (Reservation.seed)."""
+        self.handoff.add_prefill(request_id, prompt_token_ids, params, skip_tokens, seed, priority)
+
+    def pop_kv_chunks(self) -> list[KVChunk]:
+        """Chunks that became final since the last call, in order per request."""
+        return self.handoff.pop_chunks()
+
+    def release_prefill(self, request_id: str) -> bool:
+        """Free a finished prefill's pages (every transfer from them is done); False if already gone."""
+        return self.handoff.release_prefill(request_id)
+
+    def reserve_remote_prefill(
+        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, prompt: str | None = None,
+        priority: int = 0,
+    ) -> Reservation:
+        """Allocate the pages a remotely computed prompt lands in (prefix-cache hits reused)."""
+        return self.handoff.reserve(request_id, prompt_token_ids, params, prompt, priority)
+
+    def commit_kv_chunk(
+        self, request_id: str, generation: int, first_page: int, num_pages: int, last: bool = False
+    ) -> bool:
+        """Record that pages [first_page, first_page + num_pages) of a reservation (and, with
+        `last`, the final state) have landed; False for a stale generation (nothing recorded)."""
+        return self.handoff.commit(request_id, generation, first_page, num_pages, last)
+
+    def remote_prefill_ready(self, request_id: str) -> bool:
+        """Every page and the final state of a reservation have been committed: activate it."""
+        return self.handoff.ready(request_id)
+
+    def check_generation(self, request_id: str, generation: int) -> bool:
+        """Whether a transfer tagged (request_id, generation) may land: the reservation is live."""
+        return self.handoff.check_generation(request_id, generation)
+
+    def activate_remote_prefill(
+        self, request_id: str, generation: int, final_state: torch.Tensor | None = None,
+        model_state: dict[str, Any] | None = None,
+    ) -> None:
+        """Turn a fully received reservation into a decoding request; its first token is sampled
+        by the next `step()` with the request's own generator."""
+        self.handoff.activate(request_id, generation, final_state, model_state)
 
     def _validate(self, ids: list[int], p: SamplingParams) -> None:
         mc, vocab = self.model_config, self.model_config.vocab_size
@@ -265,6 +322,8 @@ class LLMEngine:
 
     def abort_request(self, request_id: str | list[str]) -> None:
         for rid in [request_id] if isinstance(request_id, str) else request_id:
+            if self.handoff.abort(rid):
+                continue
             seq = self._seqs.get(rid)
             if seq is not None and not seq.status.finished:
                 self.scheduler.finish(seq, SequenceStatus.FINISHED_ABORTED)
@@ -277,11 +336,13 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         outputs = [self._retire(seq) for seq in self._aborted]
         self._aborted.clear()
+        outputs += self.handoff.sample_first_tokens()
         if not self.scheduler.has_unfinished():
             return outputs
         sched = self.scheduler.schedule()
         if not sched.rows:
-            if self.scheduler.running or self.scheduler.waiting:
+            # Pages held for PD transfers come back by release/abort from outside: wait for them.
+            if (self.scheduler.running or self.scheduler.waiting) and not self.handoff.num_held:
                 raise RuntimeError("scheduler made no progress: the KV pool cannot hold any waiting request")
             return outputs
         result = self.runner.execute(sched)
@@ -295,6 +356,7 @@ class LLMEngine:
         st.num_cuda_graph_replays += result.num_graph_replays
         for seq, span in self.scheduler.advance(sched):
             st.num_prompt_tokens += max(0, min(span.end, seq.num_prompt_tokens) - span.start)
+        self.handoff.after_step(result.final_states)
         for d in result.exit_depths:
             st.exit_depth_counts[d] = st.exit_depth_counts.get(d, 0) + 1
         for d in result.sample_depths:

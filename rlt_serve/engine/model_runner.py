@@ -38,6 +38,9 @@ class RunnerOutput:
     sample_depths: list[int] = field(default_factory=list)  # per sample_seqs: depth of the state sampled from
     draft_logits: list[tuple[Sequence, torch.Tensor]] = field(default_factory=list)  # shallow [1, V]
     verify_logits: list[tuple[Sequence, torch.Tensor]] = field(default_factory=list)  # full depth [K, V]
+    # Prefill-only requests (PD): the post-coda state [1, H] of the last prompt position, which
+    # the decode side feeds to `compute_logits` instead of sampling here.
+    final_states: list[tuple[Sequence, torch.Tensor]] = field(default_factory=list)
     num_core_calls: int = 0  # core passes over a batch (a fused decode step counts each loop)
     num_core_tokens: int = 0  # row tokens over every core loop this step ran
     num_fused_decode: int = 0  # batches of decode tokens that ran every loop in this step
@@ -54,6 +57,7 @@ class RunnerOutput:
         self.sample_depths += other.sample_depths
         self.draft_logits += other.draft_logits
         self.verify_logits += other.verify_logits
+        self.final_states += other.final_states
         self.num_core_calls += other.num_core_calls
         self.num_core_tokens += other.num_core_tokens
         self.num_fused_decode += other.num_fused_decode
@@ -356,6 +360,10 @@ class ModelRunner:
                 picks.append(out_hidden[id(span)])
         for seq, span in exiting:
             if span.kind == "normal" and span.end == seq.num_tokens:
+                if seq.pd_role == "prefill":
+                    last = out_hidden[id(span)][-1:]
+                    out.final_states.append((seq, last if model.coda_attention else model.coda(last, None, None)))
+                    continue
                 out.sample_seqs.append(seq)
                 out.sample_depths.append(last_depth[id(span)])
                 picks.append(out_hidden[id(span)][-1:])

@@ -179,7 +179,10 @@ class Scheduler:
             else:
                 self._match_prefix(seq)
                 n = min(seq.prefill_end - seq.frontier, self.cfg.long_prefill_token_threshold, p.budget)
-                if not self._make_room(seq, seq.frontier + n, p, admitting=True):
+                # A prefill-only request (PD) takes its whole prompt now: it is never preempted (its
+                # pages may be under transfer), so growing it later could deadlock pinned requests.
+                need = seq.num_tokens if seq.pd_role == "prefill" else seq.frontier + n
+                if not self._make_room(seq, need, p, admitting=True):
                     bm.release(seq.page_table)  # undo the prefix match; retried next call
                     seq.num_computed = seq.num_registered_pages = 0
                     return
@@ -237,7 +240,7 @@ class Scheduler:
 
         Admission only evicts strictly lower priority, so equal-priority arrivals never thrash."""
         for cand in reversed(self.running):  # sorted by order_key; worst last
-            if cand is seq or id(cand) in p.scheduled or not cand.page_table:
+            if cand is seq or id(cand) in p.scheduled or not cand.page_table or cand.transfer_pinned:
                 continue
             worse = cand.priority > seq.priority if admitting else cand.order_key > seq.order_key
             return cand if worse else None

@@ -98,6 +98,12 @@ class Sequence:
     # Huginn exit criteria: the depth at which each generated position (prompt length + i) left the
     # core, replayed when the request is recomputed after preemption. None: nothing to replay.
     exit_depths: list[int] | None = None
+    # Prefill/decode disaggregation (rlt_serve.engine.handoff): "prefill" computes the prompt and
+    # samples nothing; "decode" continues from received KV. `transfer_pinned`: pages are being read
+    # by a transfer, so the request must not be preempted (its pages would be reused under it).
+    pd_role: str | None = None
+    kv_generation: int = 0
+    transfer_pinned: bool = False
 
     def __post_init__(self) -> None:
         if self.params.logprobs is not None:

@@ -1,0 +1,208 @@
+"""Real PD servers for the PD tests: `rlt-serve launch` subprocesses on CPU, tiny checkpoints.
+
+Not a test module: tests/test_pd_serving.py and tests/test_pd_faults.py import from here. Every
+wait polls a condition with a timeout; nothing sleeps for a fixed time and hopes.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
+from pathlib import Path
+
+import httpx
+
+REPO = Path(__file__).resolve().parent.parent
+_URL = re.compile(r"serving .* at (http://\S+)")
+_JOIN = re.compile(r"workers join at: (tcp://\S+)")
+
+# Small pages and chunks: every prompt spans several pages and several prefill chunks, so KV
+# moves in several writes per request while later chunks compute.
+ENGINE = ["--page-size", "4", "--num-kv-pages", "160", "--max-num-seqs", "8", "--max-num-batched-tokens", "32",
+          "--long-prefill-token-threshold", "8", "--swap-space-bytes", "0"]  # fmt: skip
+
+
+def make_checkpoint(root: Path, family: str) -> str:
+    """A tiny random checkpoint of `family` with the demo tokenizer (the router tokenises)."""
+    from rlt_serve.demo import build_demo_tokenizer
+    from rlt_serve.testing import write_random_checkpoint
+    from rlt_serve.tokenizer import Tokenizer
+
+    path = str(root / family)
+    if os.path.exists(os.path.join(path, "config.json")):
+        return path
+    build_demo_tokenizer(path)
+    vocab = Tokenizer.from_pretrained(path).vocab_size
+    extra: dict = {"max_position_embeddings": 512} if family != "huginn" else {"block_size": 512}
+    write_random_checkpoint(path, family, seed=5, vocab_size=vocab, generation_config={"eos_token_id": 0}, **extra)
+    return path
+
+
+class Server:
+    def __init__(self, proc: subprocess.Popen, base_url: str, log: list[str]) -> None:
+        self.proc, self.base_url, self.log = proc, base_url, log
+        self.http = httpx.Client(base_url=base_url, timeout=60.0)
+        m = next((_JOIN.search(line) for line in log if _JOIN.search(line)), None)
+        self.worker_endpoint = m.group(1) if m else None
+
+    def metrics(self) -> dict[str, float]:
+        out = {}
+        for line in self.http.get("/metrics").text.splitlines():
+            if line and not line.startswith("#"):
+                key, _, value = line.rpartition(" ")
+                out[key] = float(value)
+        return out
+
+    def workers(self) -> dict[str, dict]:
+        return self.http.get("/health").json()["workers"]
+
+    def wait_for(self, predicate: Callable[[], bool], timeout: float = 30.0, what: str = "condition") -> None:
+        end = time.monotonic() + timeout
+        while time.monotonic() < end:
+            if predicate():
+                return
+            time.sleep(0.05)
+        raise AssertionError(f"timed out waiting for {what}; server log tail:\n" + "".join(self.log[-40:]))
+
+    def idle(self) -> bool:
+        """Every credit, ticket, stream and handoff back; every live worker's pools full."""
+        m = self.metrics()
+        router = ("rlt:router_tickets", "rlt:router_streams", "rlt:router_queue_length")
+        if any(m.get(k, 0) for k in router) or any(v for k, v in m.items() if k.startswith("rlt:pd_requests{")):
+            return False
+        if any(v for k, v in m.items() if k.startswith(("rlt:credits_reserved_", "rlt:role_credits_reserved_"))):
+            return False
+        for w in self.workers().values():
+            if w["status"] == "dead":
+                continue
+            if "free_pages" not in w or w["free_pages"] != w["total_pages"] or w["free_slots"] != w["total_slots"]:
+                return False
+            if w["running"] or w["waiting"] or w.get("reservations") or w.get("transfers"):
+                return False
+        return True
+
+    def assert_idle(self, timeout: float = 20.0) -> None:
+        """Wait for `idle`, then check the workers' own gauges agree (state slots, held, in flight)."""
+        self.wait_for(self.idle, timeout, "every pool, credit and registration back to its initial count")
+        regs = {w["registrations"] for w in self.workers().values() if w["status"] != "dead" and w["role"] != "both"}
+        assert regs <= {3}, regs  # K, V and the final-state buffer, registered once each
+
+        def gauges_idle() -> bool:
+            m = self.metrics()
+            return all(
+                v == 0 for k, v in m.items()
+                if k.startswith(("rlt:pd_requests_held", "rlt:kv_transfer_in_flight_", "rlt:num_requests_"))
+            )  # fmt: skip
+
+        self.wait_for(gauges_idle, timeout, "worker gauges idle")
+
+    def pid(self, worker_id: str) -> int:
+        return int(self.workers()[worker_id]["pid"])
+
+
+@contextmanager
+def launch(model: str, *args: str, ready_timeout: float = 120.0, env: dict | None = None) -> Iterator[Server]:
+    """`rlt-serve launch --model MODEL ARGS...` until /health is 200; SIGTERM (then SIGKILL) after."""
+    cmd = [sys.executable, "-m", "rlt_serve.cli", "launch", "--model", model, "--served-model-name", "m",
+           "--device", "cpu", "--port", "0", *args]  # fmt: skip
+    proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True, env={**os.environ, "UCX_NET_DEVICES": "lo", **(env or {})})  # fmt: skip
+    log: list[str] = []
+    found = threading.Event()
+    url: list[str] = []
+
+    def read() -> None:
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            log.append(line)
+            m = _URL.search(line)
+            if m and not url:
+                url.append(m.group(1))
+            if url and "health:" in line:
+                found.set()
+        found.set()
+
+    threading.Thread(target=read, daemon=True).start()
+    try:
+        if not found.wait(ready_timeout) or not url:
+            raise RuntimeError("rlt-serve launch did not start:\n" + "".join(log))
+        server = Server(proc, url[0], log)
+        server.wait_for(lambda: server.http.get("/health").status_code == 200, ready_timeout, "/health 200")
+        yield server
+    finally:
+        stop(proc)
+
+
+def stop(proc: subprocess.Popen, timeout: float = 30.0) -> None:
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+
+
+def join_worker(model: str, role: str, endpoint: str, worker_id: str, *args: str, stderr=None) -> subprocess.Popen:
+    """`rlt-serve worker --role ROLE --router ENDPOINT`: a worker joining a running router."""
+    cmd = [sys.executable, "-m", "rlt_serve.cli", "worker", "--role", role, "--router", endpoint, "--model", model,
+           "--worker-id", worker_id, "--device", "cpu", "--listen", "tcp://127.0.0.1:0", *ENGINE, *args]  # fmt: skip
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "UCX_NET_DEVICES": "lo"}
+    return subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=stderr, start_new_session=True)
+
+
+# -- the workload --------------------------------------------------------------------------------
+
+
+def workload(n: int, vocab: int, seed: int = 0) -> list[dict]:
+    """Mixed requests: shared system prefixes (prefix-cache hits on both sides), lengths across
+    page and chunk boundaries, greedy and seeded sampling, some stopping at EOS. Every request
+    has a seed (Huginn's initial state depends on it even when greedy)."""
+    rng = random.Random(seed)
+    systems = [[rng.randrange(3, vocab) for _ in range(rng.choice((9, 16, 23)))] for _ in range(3)]
+    reqs = []
+    for i in range(n):
+        tail = [rng.randrange(3, vocab) for _ in range(rng.randint(1, 21))]
+        prompt = systems[i % 3] + tail if i % 4 else tail
+        body = {"model": "m", "prompt": prompt, "max_tokens": rng.randint(1, 12), "seed": 1000 + i, "logprobs": 1,
+                "ignore_eos": i % 5 != 0}  # fmt: skip
+        if i % 2:
+            body.update(temperature=0.9, top_p=0.95)
+        else:
+            body.update(temperature=0.0)
+        reqs.append(body)
+    return reqs
+
+
+def run_workload(server: Server, reqs: list[dict], concurrency: int = 12) -> list[tuple]:
+    """(text, finish_reason, token logprobs) per request, in request order."""
+
+    def one(body: dict) -> tuple:
+        r = server.http.post("/v1/completions", json=body)
+        assert r.status_code == 200, r.text
+        c = r.json()["choices"][0]
+        return c["text"], c["finish_reason"], c["logprobs"]["token_logprobs"]
+
+    with ThreadPoolExecutor(concurrency) as pool:
+        return list(pool.map(one, reqs))
+
+
+def assert_same(got: list[tuple], want: list[tuple], what: str) -> None:
+    for i, (g, w) in enumerate(zip(got, want, strict=True)):
+        assert g[:2] == w[:2], f"{what}: request {i}: {g[:2]} != {w[:2]}"
+        assert len(g[2]) == len(w[2]) and all(abs(a - b) < 1e-4 for a, b in zip(g[2], w[2])), (what, i, g[2], w[2])
+
+
+def vocab_of(model: str) -> int:
+    with open(os.path.join(model, "config.json")) as f:
+        return json.load(f)["vocab_size"]
