@@ -151,7 +151,10 @@ class HuginnForCausalLM(LoopedModel):
         for i, (seed, pos) in enumerate(zip(seeds, positions.tolist())):
             gen = torch.Generator().manual_seed(noise_seed(seed, pos))
             nn.init.trunc_normal_(rows[i], 0.0, std, -3 * std, 3 * std, generator=gen)
-        return (rows * cfg.embed_scale).to(device=pre.hidden.device, dtype=pre.hidden.dtype)
+        rows = (rows * cfg.embed_scale).to(pre.hidden.dtype)
+        if pre.hidden.device.type == "cuda":  # pinned + non-blocking: no host wait in a decode step
+            return rows.pin_memory().to(pre.hidden.device, non_blocking=True)
+        return rows.to(pre.hidden.device)
 
     def prepare_sequence(self, seq: Any) -> None:
         if self.config.init_scale > 0:  # prefix pages hold K/V of this request's own random states
