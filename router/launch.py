@@ -68,6 +68,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--load-timeout", type=float, default=600.0, help="seconds each worker may take to load")
     p.add_argument("--shutdown-timeout", type=float, default=10.0, help="bound on each shutdown phase, seconds")
     p.add_argument("--uvicorn-log-level", default="warning")
+    add_engine_arguments(p)
+
+
+def add_engine_arguments(p: argparse.ArgumentParser) -> None:
+    """One flag per EngineConfig field (launch and `rlt-serve worker` take the same ones)."""
     eng = p.add_argument_group("engine options (EngineConfig; unset ones keep the engine's defaults)")
     for name, typ in _engine_fields().items():
         flag = "--" + name.replace("_", "-")

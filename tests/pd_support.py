@@ -10,20 +10,16 @@ import json
 import os
 import random
 import re
-import signal
 import subprocess
 import sys
-import threading
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from pathlib import Path
 
-import httpx
+import test_router_support as router_support
 
-REPO = Path(__file__).resolve().parent.parent
-_URL = re.compile(r"serving .* at (http://\S+)")
+REPO = router_support.REPO
 _JOIN = re.compile(r"workers join at: (tcp://\S+)")
 
 # Small pages and chunks: every prompt spans several pages and several prefill chunks, so KV
@@ -48,31 +44,18 @@ def make_checkpoint(root: Path, family: str) -> str:
     return path
 
 
-class Server:
+class Server(router_support.Server):
+    """A PD server: also the workers' join endpoint, their /health records and idleness checks."""
+
+    wait_timeout, poll_s, log_tail = 30.0, 0.05, 40
+
     def __init__(self, proc: subprocess.Popen, base_url: str, log: list[str]) -> None:
-        self.proc, self.base_url, self.log = proc, base_url, log
-        self.http = httpx.Client(base_url=base_url, timeout=60.0)
+        super().__init__(proc, base_url, log)
         m = next((_JOIN.search(line) for line in log if _JOIN.search(line)), None)
         self.worker_endpoint = m.group(1) if m else None
 
-    def metrics(self) -> dict[str, float]:
-        out = {}
-        for line in self.http.get("/metrics").text.splitlines():
-            if line and not line.startswith("#"):
-                key, _, value = line.rpartition(" ")
-                out[key] = float(value)
-        return out
-
     def workers(self) -> dict[str, dict]:
         return self.http.get("/health").json()["workers"]
-
-    def wait_for(self, predicate: Callable[[], bool], timeout: float = 30.0, what: str = "condition") -> None:
-        end = time.monotonic() + timeout
-        while time.monotonic() < end:
-            if predicate():
-                return
-            time.sleep(0.05)
-        raise AssertionError(f"timed out waiting for {what}; server log tail:\n" + "".join(self.log[-40:]))
 
     def idle(self) -> bool:
         """Every credit, ticket, stream and handoff back; every live worker's pools full."""
@@ -115,42 +98,12 @@ def launch(model: str, *args: str, ready_timeout: float = 120.0, env: dict | Non
     """`rlt-serve launch --model MODEL ARGS...` until /health is 200; SIGTERM (then SIGKILL) after."""
     cmd = [sys.executable, "-m", "rlt_serve.cli", "launch", "--model", model, "--served-model-name", "m",
            "--device", "cpu", "--port", "0", *args]  # fmt: skip
-    proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True, env={**os.environ, "UCX_NET_DEVICES": "lo", **(env or {})})  # fmt: skip
-    log: list[str] = []
-    found = threading.Event()
-    url: list[str] = []
-
-    def read() -> None:
-        assert proc.stdout is not None
-        for line in proc.stdout:
-            log.append(line)
-            m = _URL.search(line)
-            if m and not url:
-                url.append(m.group(1))
-            if url and "health:" in line:
-                found.set()
-        found.set()
-
-    threading.Thread(target=read, daemon=True).start()
-    try:
-        if not found.wait(ready_timeout) or not url:
-            raise RuntimeError("rlt-serve launch did not start:\n" + "".join(log))
-        server = Server(proc, url[0], log)
-        server.wait_for(lambda: server.http.get("/health").status_code == 200, ready_timeout, "/health 200")
+    with router_support.serve(cmd, Server, ready_timeout, ready_marker="health:",
+                              env={**os.environ, "UCX_NET_DEVICES": "lo", **(env or {})}) as server:  # fmt: skip
         yield server
-    finally:
-        stop(proc)
 
 
-def stop(proc: subprocess.Popen, timeout: float = 30.0) -> None:
-    if proc.poll() is None:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(timeout)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
+stop = router_support.stop
 
 
 def join_worker(model: str, role: str, endpoint: str, worker_id: str, *args: str, stderr=None) -> subprocess.Popen:

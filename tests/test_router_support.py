@@ -60,22 +60,34 @@ class Server:
                 total += value
         return total
 
-    def wait_for(self, predicate, timeout: float = 20.0, what: str = "condition") -> None:
-        end = time.monotonic() + timeout
+    wait_timeout, poll_s, log_tail = 20.0, 0.1, 30  # wait_for's default timeout, polling, log shown
+
+    def wait_for(self, predicate, timeout: float | None = None, what: str = "condition") -> None:
+        end = time.monotonic() + (self.wait_timeout if timeout is None else timeout)
         while time.monotonic() < end:
             if predicate():
                 return
-            time.sleep(0.1)
-        raise AssertionError(f"timed out waiting for {what}; server log tail:\n" + "".join(self.log[-30:]))
+            time.sleep(self.poll_s)
+        raise AssertionError(f"timed out waiting for {what}; server log tail:\n" + "".join(self.log[-self.log_tail :]))
 
 
 @contextmanager
 def launch(model: str, *args: str, workers: int = 1, ready_timeout: float = 120.0) -> Iterator[Server]:
     cmd = [sys.executable, "-m", "rlt_serve.cli", "launch", "--model", model, "--served-model-name", "demo",
            "--device", "cpu", "--port", "0", "--workers", str(workers), *args]  # fmt: skip
-    proc = subprocess.Popen(
-        cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
-    )
+    with serve(cmd, Server, ready_timeout=ready_timeout) as server:
+        yield server
+
+
+@contextmanager
+def serve(
+    cmd: list[str], server_cls: type[Server], ready_timeout: float = 120.0, ready_marker: str | None = None,
+    env: dict[str, str] | None = None,
+) -> Iterator[Server]:
+    """Run `rlt-serve launch` CMD until its URL is printed (and then a line holding `ready_marker`)
+    and /health is 200; SIGTERM (then SIGKILL) after."""
+    proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True, env=env)  # fmt: skip
     log: list[str] = []
     found = threading.Event()
     url: list[str] = []
@@ -87,6 +99,7 @@ def launch(model: str, *args: str, workers: int = 1, ready_timeout: float = 120.
             m = _URL.search(line)
             if m and not url:
                 url.append(m.group(1))
+            if url and (ready_marker is None or ready_marker in line):
                 found.set()
         found.set()
 
@@ -94,14 +107,18 @@ def launch(model: str, *args: str, workers: int = 1, ready_timeout: float = 120.
     try:
         if not found.wait(ready_timeout) or not url:
             raise RuntimeError("rlt-serve launch did not start:\n" + "".join(log))
-        server = Server(proc, url[0], log)
+        server = server_cls(proc, url[0], log)
         server.wait_for(lambda: server.http.get("/health").status_code == 200, ready_timeout, "/health 200")
         yield server
     finally:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(30)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
+        stop(proc)
+
+
+def stop(proc: subprocess.Popen, timeout: float = 30.0) -> None:
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()

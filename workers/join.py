@@ -18,7 +18,7 @@ import socket
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    from router.launch import _engine_fields
+    from router.launch import add_engine_arguments
 
     p.add_argument("--role", required=True, choices=["prefill", "decode", "both"])
     p.add_argument("--router", required=True, help="the router's worker endpoint, tcp://HOST:PORT")
@@ -33,13 +33,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-transfer-timeout", type=float, default=30.0)
     p.add_argument("--kv-transfer-budget-bytes", type=int, default=256 << 20)
     p.add_argument("--drain-timeout", type=float, default=30.0)
-    eng = p.add_argument_group("engine options (EngineConfig; unset ones keep the engine's defaults)")
-    for name, typ in _engine_fields().items():
-        flag = "--" + name.replace("_", "-")
-        if typ is bool:
-            eng.add_argument(flag, dest=name, action=argparse.BooleanOptionalAction, default=None)
-        else:
-            eng.add_argument(flag, dest=name, type=typ, default=None, metavar=typ.__name__.upper())
+    add_engine_arguments(p)
 
 
 def run(args: argparse.Namespace) -> int:
