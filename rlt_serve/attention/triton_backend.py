@@ -161,8 +161,12 @@ class TritonCallData:
     num_query: list[int]
     max_end: int  # longest context of the call, for the split-KV choice
     tiles: dict[int, tuple[torch.Tensor, int]] = field(default_factory=dict)  # tok_m -> ([G, 2], G)
+    # One-query rows (decode): tile r is row r whatever the tile height; a CUDA graph passes its own.
+    decode_tiles: torch.Tensor | None = None
 
     def tiles_for(self, tok_m: int, device: torch.device) -> tuple[torch.Tensor, int]:
+        if self.decode_tiles is not None:
+            return self.decode_tiles, len(self.num_query)
         if tok_m not in self.tiles:
             flat = [x for r, n in enumerate(self.num_query) for off in range(0, n, tok_m) for x in (r, off)]
             self.tiles[tok_m] = (torch.tensor(flat, dtype=torch.int32, device=device), len(flat) // 2)

@@ -114,12 +114,10 @@ class DecodeGraphs:
         table = self._dev_view("table", b_max * self.width).view(b_max, self.width)[:b]
         from rlt_serve.attention.triton_backend import TritonCallData
 
-        group_p = 1 << max(0, runner.model_config.num_attention_heads // runner.model_config.num_key_value_heads - 1).bit_length()
-        tok_ms = {max(1, 16 // group_p), max(1, 64 // group_p)}  # whichever tile height the backend picks
         def context(t: int) -> CoreContext:  # loop t's records; prelude and coda use slot 0 = loop 0's
             data = TritonCallData(
                 rows=rows[t, :b], table=table, write_mask=mask, num_query=[1] * b,
-                max_end=self.width * kv.page_size, tiles={m: (tiles, b) for m in tok_ms},
+                max_end=self.width * kv.page_size, decode_tiles=tiles,
             )  # fmt: skip
             meta = AttentionMetadata(rows=[], query_start=[], slot_mapping=slot, token_depth_slot=depth[t, :b], extra=data)
             return CoreContext(runner.backend, kv, meta)

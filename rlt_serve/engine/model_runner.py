@@ -174,11 +174,7 @@ class ModelRunner:
     def _decode_tokens(self, rows: list[Row], loops: int) -> RunnerOutput:
         """Decode tokens through every loop: one graph replay, or the same stages run eagerly."""
         logits = self.graphs.run(rows, loops) if self.graphs is not None else None
-        for _, span in rows:
-            span.depth, span.finished = loops - 1, True  # the scheduler's advance() retires them
         if logits is not None:
-            if self.fills_deeper_slots:
-                self._fill_deeper_slots([(seq, span, torch.ones(1, dtype=torch.bool, device=self.device)) for seq, span in rows])
             out = RunnerOutput([seq for seq, _ in rows], logits, exit_depths=[loops - 1] * len(rows),
                                sample_depths=[loops - 1] * len(rows))
             out.num_graph_replays = 1
@@ -193,9 +189,11 @@ class ModelRunner:
                 hidden = self.model.core(hidden, injected, positions, self._context(rows, core=True)).hidden
             for (_, span), h in zip(rows, self._split(rows, hidden)):
                 span.hidden = h
-            if self.fills_deeper_slots:
-                self._fill_deeper_slots([(seq, span, torch.ones(1, dtype=torch.bool, device=self.device)) for seq, span in rows])
             out = self._coda(rows)
+        for _, span in rows:
+            span.depth, span.finished = loops - 1, True  # the scheduler's advance() retires them
+        if self.fills_deeper_slots:
+            self._fill_deeper_slots([(seq, span, torch.ones(1, dtype=torch.bool, device=self.device)) for seq, span in rows])
         out.num_core_calls, out.num_core_tokens = loops, len(rows) * loops
         out.num_fused_decode = 1
         return out

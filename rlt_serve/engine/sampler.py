@@ -74,9 +74,7 @@ class Sampler:
     def _draw(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
         """[n] token ids on the device: argmax for plain greedy rows in one launch, and for the
         others the same per-request exponential race as `race`, so the RNG stream is unchanged."""
-        greedy_plain = [
-            p.greedy and len(s.output_token_ids) >= p.min_tokens for s, p in ((s, s.params) for s in seqs)
-        ]
+        greedy_plain = [s.params.greedy and len(s.output_token_ids) >= s.params.min_tokens for s in seqs]
         out = logits.argmax(dim=-1)
         if all(greedy_plain):
             return out
