@@ -125,7 +125,7 @@ class LLMEngine:
         if cfg.num_speculative_tokens:
             self.scheduler.spec = SpecController(
                 self.model_config.num_loops, cfg.num_speculative_tokens, cfg.speculative_draft_depth,
-                adaptive=cfg.speculative_adaptive,
+                adaptive=cfg.speculative_adaptive, fused_plain=cfg.fuse_decode_loops,
             )
         self.output_processor = OutputProcessor(self._eos_token_ids(), self.max_model_len, self.tokenizer)
         self.sampler = Sampler(self.output_processor.stop_ids)
@@ -334,6 +334,7 @@ class LLMEngine:
 
     # -- the loop -------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        started = self.scheduler.spec.clock() if self.scheduler.spec is not None else 0.0
         outputs = [self._retire(seq) for seq in self._aborted]
         self._aborted.clear()
         outputs += self.handoff.sample_first_tokens()
@@ -345,6 +346,9 @@ class LLMEngine:
             if (self.scheduler.running or self.scheduler.waiting) and not self.handoff.num_held:
                 raise RuntimeError("scheduler made no progress: the KV pool cannot hold any waiting request")
             return outputs
+        spec = self.scheduler.spec
+        if spec is not None:
+            spec.start_step(sched.rows, started)
         result = self.runner.execute(sched)
         st = self._stats
         st.num_core_calls += result.num_core_calls
@@ -381,6 +385,8 @@ class LLMEngine:
                     outputs.append(self._retire(seq))
                 else:
                     outputs.append(self.output_processor.make_output(seq))
+        if spec is not None:
+            spec.end_step()
         return outputs
 
     def _accept_drafts(self, seq: Sequence, logits: torch.Tensor) -> list[RequestOutput]:

@@ -42,6 +42,7 @@ class _Pass:
 
     def __init__(self, budget: int) -> None:
         self.budget = budget
+        self.num_decoding = 0  # decoding requests running: the batch a speculative round joins
         self.out = SchedulerOutput()
         self.scheduled: set[int] = set()
 
@@ -97,6 +98,7 @@ class Scheduler:
         return p.out
 
     def _schedule_decode(self, p: _Pass) -> None:
+        p.num_decoding = sum(1 for seq in self.running if seq.decoding)
         for seq in list(self.running):
             if p.budget == 0:
                 return
@@ -112,7 +114,7 @@ class Scheduler:
 
     def _next_decode_span(self, seq: Sequence, p: _Pass) -> Span | None:
         """A plain decode row, or with self-speculation the next shallow draft row or the verify row."""
-        k, depth = self._spec_round(seq)
+        k, depth = self._spec_round(seq, p.num_decoding)
         if k == 0:
             pos = seq.frontier
             return Span(pos, pos + 1) if self._make_room(seq, pos + 1, p, admitting=False) else None
@@ -129,14 +131,14 @@ class Scheduler:
         start = seq.num_computed
         return Span(start, start + k, depth=depth, hidden=hidden, injected=injected, kind="verify")
 
-    def _spec_round(self, seq: Sequence) -> tuple[int, int]:
+    def _spec_round(self, seq: Sequence, batch: int) -> tuple[int, int]:
         """(K, draft depth) for `seq`: fixed for a round once its first draft starts; K = 0 turns
         speculation off (no controller, adaptive depth, no tokens left, or not worth it)."""
         if seq.spec_round is not None:
             return seq.spec_round
         if self.spec is None or seq.adaptive:
             return 0, 0
-        k, depth = self.spec.choose()
+        k, depth = self.spec.choose(batch)
         left = (seq.params.max_tokens or self.max_model_len) - len(seq.output_token_ids)
         k = max(0, min(k, left, self.max_model_len - seq.num_tokens))
         if k == 0 or depth >= seq.num_loops:
