@@ -128,6 +128,7 @@ class BenchConfig:
     output_len: int = 128
     runs: int = 3
     warmup: int = 1
+    warmup_output_len: int = 8  # output tokens per warm-up request (capped at output_len)
     attention_backend: str = "auto"
     dtype: str = "auto"
     device: str = "auto"
@@ -341,7 +342,8 @@ def measure(engine: Any, cfg: BenchConfig, exit_threshold: float | None) -> tupl
         # A warm-up compiles kernels and grows the allocator: one wave of the same shapes, with few
         # output tokens, is enough and keeps the bench short.
         warm = r < cfg.warmup
-        n, out = (min(n_prompts, cfg.concurrency), min(cfg.output_len, 8)) if warm else (n_prompts, cfg.output_len)
+        n, out = (min(n_prompts, cfg.concurrency), min(cfg.output_len, cfg.warmup_output_len)) if warm \
+            else (n_prompts, cfg.output_len)
         if not warm and before is None:
             before = copy.deepcopy(engine.stats())
         prompts = _prompts(n, cfg.input_len, vocab, cfg.seed * 1000 + r)

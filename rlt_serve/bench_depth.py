@@ -6,8 +6,10 @@ mean loops per sampled token (early exit) it was obtained at. Agreement between 
 predictions is set by the checkpoint's update scale (`make-random-checkpoint --update-scale`),
 so one sweep over a few scales traces speedup against acceptance. One engine per (checkpoint,
 mode) serves every concurrency: a run submits `concurrency` prompts at once and the engine's
-max_num_seqs is the largest concurrency; it is warmed up once, at the largest concurrency. Nothing here imports the serving stack (router,
-workers), so it runs where only torch and safetensors are installed:
+max_num_seqs is the largest concurrency; it is warmed up once at the largest concurrency, and a
+speculation engine runs one untimed full-length wave at each concurrency before it is measured
+(adaptive K learns its costs per batch size, as a long-running server has). Nothing here imports
+the serving stack (router, workers), so it runs where only torch and safetensors are installed:
 
     python -m rlt_serve.bench_depth --model 1.0=/ckpt/s1 --model 0.05=/ckpt/s005 \\
         --concurrency 1 8 32 128 --spec 4:1 4:2 --adaptive 8 --exit-model /ckpt/s005 \\
@@ -61,7 +63,9 @@ def _engine_runs(model: str, base: BenchConfig, concurrencies: list[int], exit_t
     warm_up(engine, cfg, [exit_threshold])
     out: dict[int, tuple[float, DepthStats]] = {}
     for c in concurrencies:
-        run_cfg = replace(cfg, concurrency=c, warmup=0)
+        # A full-length wave at this concurrency first, untimed: adaptive speculation learns its
+        # step costs and acceptance per batch size, as a long-running server has.
+        run_cfg = replace(cfg, concurrency=c, warmup=1, warmup_output_len=cfg.output_len)
         runs, depth = measure(engine, run_cfg, exit_threshold)
         out[c] = (_median([r.output_tps for r in runs]), depth)
     engine = None
@@ -173,7 +177,8 @@ def main(argv: list[str] | None = None) -> int:
                        warmup=args.warmup, dtype=args.dtype, device=args.device, attention_backend=args.attention_backend,
                        num_kv_pages=args.num_kv_pages, reference=False, max_num_batched_tokens=8192)  # fmt: skip
     header = (f"Greedy, {args.input_len}-token random prompts, {args.output_len} output tokens each (ignore_eos), "
-              f"all `concurrency` prompts submitted at once; median of {args.runs} run(s).")  # fmt: skip
+              f"all `concurrency` prompts submitted at once; median of {args.runs} run(s) after an untimed "
+              "full-length wave at each concurrency.")  # fmt: skip
     done: dict[str, list[Row]] = {"spec": [], "exit": []}
 
     def write(kind: str) -> Callable[[list[Row]], None]:
