@@ -9,7 +9,7 @@
 # Needs only torch + safetensors (no msgspec/pyzmq/fastapi: it calls python modules, not the
 # rlt-serve CLI, whose parser imports the router). Writes $OUT/spec_exit.md (the tables),
 # $OUT/spec_exit.json (every row), $OUT/spec_exit.log. GPU tests first (SKIP_TESTS=1 skips them).
-# Knobs: SCALES (default "1.0 0.1 0.03"), CONC ("1 8 32 128"), OUT_LEN (24), IN_LEN (32),
+# Knobs: SCALES (default "1.0 0.1 0.03"), CONC ("1 8 32 128"), OUT_LEN (24), RUNS (3, median), IN_LEN (32),
 # SPEC ("4:2", K:draft-depth pairs), ADAPTIVE ("8"), EXIT_Q ("1.0 0.7 0.5"), EXIT_SCALE (0.1),
 # SHAPE (ouro-1.4b), DEVICE (cuda), DTYPE (bfloat16). A CPU dry run of the plumbing:
 #   SHAPE=tiny DEVICE=cpu DTYPE=float32 SKIP_TESTS=1 CONC="1 2" OUT=/tmp/x bash recipes/spec_exit_gpu.sh
@@ -23,6 +23,7 @@ START=$SECONDS
 SCALES=${SCALES:-"1.0 0.1 0.03"}
 CONC=${CONC:-"1 8 32 128"}
 OUT_LEN=${OUT_LEN:-24}
+RUNS=${RUNS:-3}
 IN_LEN=${IN_LEN:-32}
 SPEC=${SPEC:-"4:2"}
 ADAPTIVE=${ADAPTIVE:-"8"}
@@ -41,7 +42,7 @@ fi
 
 if [ "${SKIP_TESTS:-0}" != 1 ]; then
   echo "=== GPU tests: exit readback (pinned + event), async/delayed exit, speculation on the device"
-  timeout 90 python3 -m pytest -q -x -p no:cacheprovider -m gpu tests/test_gpu_depth.py 2>&1 | tail -15
+  timeout 90 python3 -m pytest -q -x -p no:cacheprovider --tb=short -m gpu tests/test_gpu_depth.py 2>&1 | tail -40
 fi
 
 # One base checkpoint (sharded so scaled copies can share its shards), then a copy per scale that
@@ -71,6 +72,6 @@ echo "=== sweep (limit $(left)s, t=$((SECONDS - START))s)"
 timeout --signal=INT --kill-after=10 "$(left)" python3 -m rlt_serve.bench_depth "${MODELS[@]}" \
   --concurrency $CONC --spec $SPEC --adaptive $ADAPTIVE \
   --exit-model "$EXIT_SCALE=$ROOT/s$EXIT_SCALE" --exit-thresholds $EXIT_Q \
-  --input-len "$IN_LEN" --output-len "$OUT_LEN" --runs 1 --warmup 1 --dtype "$DTYPE" --device "$DEVICE" \
+  --input-len "$IN_LEN" --output-len "$OUT_LEN" --runs "$RUNS" --warmup 1 --dtype "$DTYPE" --device "$DEVICE" \
   --out "$OUT/spec_exit.md" --json "$OUT/spec_exit.json"
 echo "=== done: rc=$?, $((SECONDS - START))s; tables in $OUT/spec_exit.md"

@@ -28,7 +28,8 @@ def ckpt(tmp_path_factory):
 
 def _cuda_engine(path, **kw):
     args = dict(dtype="float32", device="cuda", skip_tokenizer_init=True, kv_layout="last_exited", page_size=4,
-                long_prefill_token_threshold=8, max_num_batched_tokens=24, attention_backend="torch")
+                long_prefill_token_threshold=8, max_num_batched_tokens=24, attention_backend="torch",
+                num_kv_pages=1024)  # a fixed pool: tests build two engines at once, and free memory is not 90%
     args.update(kw)
     return LLMEngine(path, **args)
 

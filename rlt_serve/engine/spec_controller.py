@@ -64,7 +64,7 @@ class SpecController:
         self._probe_every0, self._max_probe_every = probe_every, max_probe_every
         self._probe_every: dict[int, int] = {}  # per bucket, in engine steps
         self._last_probe: dict[int, int] = {}
-        self._probe_step = -1
+        self._decision: tuple[tuple[int, int], tuple[int, int]] = ((-1, 0), (0, 1))
         self._steps = 0  # engine steps so far (choose() runs while the next one is scheduled)
         self._step_key: tuple[str, int, int] | None = None
         self._step_start = 0.0
@@ -77,6 +77,12 @@ class SpecController:
         if not self.adaptive:
             return self._fixed
         b = _bucket(batch)
+        key = (self._steps, b)  # one decision per step and batch size: the batch moves together
+        if self._decision[0] != key:
+            self._decision = (key, self._decide(b))
+        return self._decision[1]
+
+    def _decide(self, b: int) -> tuple[int, int]:
         plain = self._plain_token_cost(b)
         if plain is None:  # time plain decoding here first: it is what speculation must beat
             return 0, 1
@@ -87,15 +93,12 @@ class SpecController:
         # bound: a depth with few tested drafts gets the benefit of the doubt), so one unlucky
         # round does not rule a depth out for good.
         probe_speed, pk, pd = self._best(b, plain, self._optimistic_rate)
-        if self._probe_step == self._steps:  # a probe is running: the whole batch joins it
-            return pk, pd
         if probe_speed <= _MARGIN:
             return 0, 1
         last = self._last_probe.setdefault(b, self._steps)
         every = self._probe_every.get(b, self._probe_every0)
         if self._steps - last >= every:  # probe one round, then back off
             self._last_probe[b], self._probe_every[b] = self._steps, min(2 * every, self._max_probe_every)
-            self._probe_step = self._steps
             return pk, pd
         return 0, 1
 
