@@ -159,14 +159,15 @@ def test_engine_bf16_logprobs_match_torch(tmp_checkpoint, backend, family):
 
 
 # -- CUDA graphs of decode steps ----------------------------------------------------------------
-def _steady_decode(path: str, dtype: str, concurrency: int, **kw) -> tuple[dict[str, list[int]], LLMEngine]:
+def _steady_decode(path: str, dtype: str, concurrency: int, params: dict | None = None,
+                   **kw) -> tuple[dict[str, list[int]], LLMEngine]:  # fmt: skip
     engine = LLMEngine(path, dtype=dtype, device="cuda", skip_tokenizer_init=True, attention_backend="triton",
                        max_num_seqs=concurrency, num_kv_pages=2048, **kw)  # fmt: skip
     rng = random.Random(concurrency)
     for i in range(2 * concurrency):
         prompt = [rng.randrange(3, 300) for _ in range(rng.randint(1, 60))]
         engine.add_request(f"r{i}", prompt, SamplingParams(temperature=0.0, max_tokens=rng.randint(8, 24),
-                                                           ignore_eos=True, logprobs=0))  # fmt: skip
+                                                           ignore_eos=True, logprobs=0, **(params or {})))  # fmt: skip
     out: dict[str, list] = {}
     while engine.has_unfinished_requests():
         for o in engine.step():
@@ -189,6 +190,26 @@ def test_cuda_graph_decode_matches_eager(tmp_checkpoint, family, concurrency):
     st = engine.stats()
     assert engine.runner.graphs is not None
     assert st.num_cuda_graph_replays >= 0.95 * st.num_fused_decode_steps > 0
+    assert graphed.keys() == eager.keys()
+    for rid, (tokens, logprobs) in eager.items():
+        assert graphed[rid][0] == tokens, rid
+        assert max(abs(a - b) for a, b in zip(graphed[rid][1], logprobs)) < 1e-4
+
+
+@pytest.mark.parametrize("family,mode", [
+    ("ouro", dict(kv_layout="last_exited")), ("ouro", dict(kv_layout="last_exited", async_exit=True)),
+    ("ouro", dict(num_speculative_tokens=4, speculative_draft_depth=2)),
+    ("nanbeige", dict(num_speculative_tokens=2, speculative_draft_depth=1)),
+    ("huginn", dict(num_speculative_tokens=2, speculative_draft_depth=2)),
+])  # fmt: skip
+def test_loop_graphs_match_eager(tmp_checkpoint, family, mode):
+    """One-loop graphs (early-exit rows, drafts) give the eager step's tokens and logprobs."""
+    _need("triton", torch.float32)
+    path = tmp_checkpoint(family, seed=7, **SHAPES.get(family, {}))
+    exit_kw = dict(exit_threshold=0.6) if "kv_layout" in mode else {}
+    graphed, engine = _steady_decode(path, "float32", 8, params=exit_kw, **mode)
+    eager, _ = _steady_decode(path, "float32", 8, params=exit_kw, enforce_eager=True, **mode)
+    assert engine.runner.loop_graphs is not None and engine.stats().num_loop_graph_replays > 0
     assert graphed.keys() == eager.keys()
     for rid, (tokens, logprobs) in eager.items():
         assert graphed[rid][0] == tokens, rid

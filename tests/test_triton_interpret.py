@@ -100,6 +100,45 @@ def test_engine_greedy_triton_matches_torch(tmp_checkpoint):
         assert max(abs(a - b) for a, b in zip(got[rid][1], logprobs)) < 1e-4
 
 
+def _one_loop_rows(path: str, loop_rows: bool, **kw) -> tuple[dict, object]:
+    """One-token rows at mixed depths: early exit (per-token depths, deeper slots filled; with
+    async_exit an exited row runs one more loop whose writes are masked) and drafts stopping at
+    depth 2. `loop_rows` runs their core calls through LoopGraphs' static buffers (uncaptured:
+    the interpreter runs what a graph would replay)."""
+    from rlt_serve.engine.loop_graph import LoopGraphs
+
+    engine = LLMEngine(path, dtype="float32", device="cpu", skip_tokenizer_init=True, attention_backend="triton",
+                       page_size=4, long_prefill_token_threshold=5, max_num_batched_tokens=16, max_num_seqs=4,
+                       cuda_graph_sizes=[1, 2, 4], **kw)  # fmt: skip
+    if loop_rows:
+        engine.runner.loop_graphs = LoopGraphs(engine.runner, [1, 2], capture=False)
+    rng = random.Random(2)
+    for i in range(4):
+        prompt = [rng.randrange(3, 384) for _ in range(rng.randint(2, 9))]
+        exit_kw = dict(exit_threshold=0.5) if "kv_layout" in kw and i % 2 else {}
+        engine.add_request(str(i), prompt, SamplingParams(temperature=0, max_tokens=5, ignore_eos=True, logprobs=1,
+                                                          **exit_kw))  # fmt: skip
+    done = {}
+    while engine.has_unfinished_requests():
+        done.update({o.request_id: o.outputs[0] for o in engine.step() if o.finished})
+    assert engine.num_free_pages == engine.num_pages
+    out = {r: (c.token_ids, [lp[t].logprob for t, lp in zip(c.token_ids, c.logprobs)]) for r, c in done.items()}
+    return out, engine.stats()
+
+
+@pytest.mark.parametrize("mode", [dict(kv_layout="last_exited"), dict(kv_layout="last_exited", async_exit=True),
+                                  dict(num_speculative_tokens=2, speculative_draft_depth=2)])  # fmt: skip
+def test_one_loop_rows_through_static_buffers(tmp_checkpoint, mode):
+    path = tmp_checkpoint("ouro", seed=4, num_attention_heads=4, num_key_value_heads=2, head_dim=16)
+    want, _ = _one_loop_rows(path, False, **mode)
+    got, st = _one_loop_rows(path, True, **mode)
+    assert st.num_loop_graph_replays > 0
+    assert got.keys() == want.keys()
+    for rid, (tokens, logprobs) in want.items():
+        assert got[rid][0] == tokens, rid
+        assert max(abs(a - b) for a, b in zip(got[rid][1], logprobs)) < 1e-5
+
+
 # -- fused elementwise ops of the decoder layer ---------------------------------------------------
 def test_fused_ops_match_torch():
     from types import SimpleNamespace

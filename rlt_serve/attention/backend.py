@@ -18,6 +18,7 @@ import torch
 
 from rlt_serve.config import ConfigError
 from rlt_serve.engine.kv_cache import KVCache
+from rlt_serve.host_copy import to_device
 
 
 @dataclass(frozen=True)
@@ -70,8 +71,8 @@ class AttentionBackend(ABC):
         meta = AttentionMetadata(
             rows=rows,
             query_start=starts,
-            slot_mapping=torch.tensor(slots, dtype=torch.long, device=dev),
-            token_depth_slot=torch.tensor(depth, dtype=torch.long, device=dev),
+            slot_mapping=to_device(slots, torch.long, dev),
+            token_depth_slot=to_device(depth, torch.long, dev),
             write_mask=write_mask,
         )
         meta.extra = self.prepare_extra(meta, kv)

@@ -27,6 +27,7 @@ import torch
 
 from rlt_serve.attention.backend import AttentionBackend, AttentionMetadata
 from rlt_serve.engine.kv_cache import KVCache
+from rlt_serve.host_copy import to_device
 from rlt_serve.triton_jit import jit, next_pow2, triton_missing
 
 triton: Any = None  # bound on first launch by rlt_serve.triton_jit.jit
@@ -169,8 +170,16 @@ class TritonCallData:
             return self.decode_tiles, len(self.num_query)
         if tok_m not in self.tiles:
             flat = [x for r, n in enumerate(self.num_query) for off in range(0, n, tok_m) for x in (r, off)]
-            self.tiles[tok_m] = (torch.tensor(flat, dtype=torch.int32, device=device), len(flat) // 2)
+            self.tiles[tok_m] = (to_device(flat, torch.int32, device), len(flat) // 2)
         return self.tiles[tok_m]
+
+
+def tile_shape(max_query: int, group: int) -> tuple[int, int]:
+    """(rows, query tokens) of an attention tile: 16 or 64 (token, head-of-group) rows, the wide
+    tile only when some row has more queries than a narrow one holds."""
+    group_p = next_pow2(group)
+    block_m = 64 if max_query > 16 // group_p else 16
+    return block_m, max(1, block_m // group_p)
 
 
 def _token_rows(x: torch.Tensor) -> bool:
@@ -198,7 +207,7 @@ class TritonAttentionBackend(AttentionBackend):
             flat += [start, row.num_query, row.start_pos, row.depth_slot]
         for row in rows:
             flat += row.page_ids + [0] * (width - len(row.page_ids))
-        packed = torch.tensor(flat, dtype=torch.int32, device=kv.device)  # one host-to-device copy
+        packed = to_device(flat, torch.int32, kv.device)  # one host-to-device copy
         n = _ROW_FIELDS * len(rows)
         mask = meta.write_mask.to(device=kv.device, dtype=torch.int8) if meta.write_mask is not None else None
         return TritonCallData(
@@ -247,8 +256,7 @@ class TritonAttentionBackend(AttentionBackend):
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         group = heads // kv_heads
         group_p = next_pow2(group)
-        block_m = 64 if max(data.num_query) > 16 // group_p else 16
-        tok_m = max(1, block_m // group_p)
+        block_m, tok_m = tile_shape(max(data.num_query), group)
         tiles, num_tiles = data.tiles_for(tok_m, kv.device)
         head_dp = max(16, next_pow2(head_dim))
         splits = self.num_splits(num_tiles * kv_heads, data.max_end, kv.device)

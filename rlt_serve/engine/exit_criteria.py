@@ -128,7 +128,7 @@ def exit_step(
     new = ~st.exited & want
     st.exited |= new
     st.depth = torch.where(new, d, st.depth)
-    st.hidden[new] = hidden[new]
+    st.hidden = torch.where(new[:, None], hidden, st.hidden)  # no boolean indexing: no host sync
     return new
 
 

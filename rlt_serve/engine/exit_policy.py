@@ -65,7 +65,7 @@ def q_exit_step(
     state.remaining = state.remaining * (1.0 - lam)
     state.exited |= new
     state.depth = torch.where(new, depth, state.depth)
-    state.hidden[new] = hidden[new]
+    state.hidden = torch.where(new[:, None], hidden, state.hidden)  # no boolean indexing: no host sync
     return new
 
 

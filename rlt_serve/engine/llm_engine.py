@@ -59,6 +59,7 @@ class EngineStats:
     exit_depth_counts: dict[int, int] = field(default_factory=dict)  # depth a token left the core -> tokens
     num_fused_decode_steps: int = 0  # decode batches that ran every loop in one step
     num_cuda_graph_replays: int = 0  # ... of which replayed a captured CUDA graph
+    num_loop_graph_replays: int = 0  # one-loop steps (drafts, early exit) replayed as a graph
     # Depth of the state each plainly sampled token's logits came from (its decode row's exit
     # depth; speculative tokens are full depth by construction and are not counted here).
     sample_depth_counts: dict[int, int] = field(default_factory=dict)
@@ -142,7 +143,8 @@ class LLMEngine:
         mc = self.model_config
         per_token = kv.bytes_per_token(kv.num_planes, mc.num_key_value_heads, mc.head_dim, self.dtype)
         layout = self.engine_config.huginn_cache or self.engine_config.kv_layout
-        graphs = (f"CUDA graphs for decode batch sizes {r.graphs.sizes} ({r.graphs.capture_seconds:.1f} s to capture)"
+        loops = f", one-loop graphs in {r.loop_graphs.capture_seconds:.1f} s" if r.loop_graphs is not None else ""
+        graphs = (f"CUDA graphs for decode batch sizes {r.graphs.sizes} ({r.graphs.capture_seconds:.1f} s to capture{loops})"
                   if r.graphs is not None else f"no CUDA graphs ({r.graphs_disabled})")
         return (
             f"KV cache: {kv.num_pages} pages x {kv.page_size} = {kv.num_pages * kv.page_size} tokens "
@@ -358,6 +360,7 @@ class LLMEngine:
         st.num_row_tokens += result.num_core_tokens
         st.num_fused_decode_steps += result.num_fused_decode
         st.num_cuda_graph_replays += result.num_graph_replays
+        st.num_loop_graph_replays += result.num_loop_graph_replays
         for seq, span in self.scheduler.advance(sched):
             st.num_prompt_tokens += max(0, min(span.end, seq.num_prompt_tokens) - span.start)
         self.handoff.after_step(result.final_states)

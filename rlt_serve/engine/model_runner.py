@@ -16,11 +16,14 @@ import torch
 from rlt_serve.attention import RowSpec, get_attention_backend
 from rlt_serve.config import ConfigError, EngineConfig, ModelConfig, core_ring_slots
 from rlt_serve.engine.cuda_graph import DecodeGraphs, graph_support
+from rlt_serve.engine.loop_graph import LoopGraphs
 from rlt_serve.engine.kv_cache import KVCache
 from rlt_serve.engine.exit_criteria import exit_step, needs_distribution, new_exit_state, record_exit_depths
 from rlt_serve.engine.exit_policy import ExitReadback, row_done_flag
 from rlt_serve.engine.scheduler import Row, SchedulerOutput
 from rlt_serve.engine.sequence import Sequence, Span
+from rlt_serve.engine.spec_controller import draft_lengths
+from rlt_serve.host_copy import to_device
 from rlt_serve.loader import load_into_module
 from rlt_serve.models import get_model_class
 from rlt_serve.models.layers import CoreContext
@@ -45,6 +48,7 @@ class RunnerOutput:
     num_core_tokens: int = 0  # row tokens over every core loop this step ran
     num_fused_decode: int = 0  # batches of decode tokens that ran every loop in this step
     num_graph_replays: int = 0  # ... of which replayed a CUDA graph
+    num_loop_graph_replays: int = 0  # one-loop core calls replayed as a graph (LoopGraphs)
 
     def merge(self, other: "RunnerOutput") -> None:
         """Append `other` (rows disjoint from this output's) to this output."""
@@ -62,6 +66,7 @@ class RunnerOutput:
         self.num_core_tokens += other.num_core_tokens
         self.num_fused_decode += other.num_fused_decode
         self.num_graph_replays += other.num_graph_replays
+        self.num_loop_graph_replays += other.num_loop_graph_replays
 
 
 class ModelRunner:
@@ -98,9 +103,14 @@ class ModelRunner:
         )
         self.backend = get_attention_backend(engine_config.attention_backend, device, dtype, engine_config.page_size)
         self.graphs: DecodeGraphs | None = None
+        self.loop_graphs: LoopGraphs | None = None  # one-loop steps of one-token rows (drafts, early exit)
         self.graphs_disabled = graph_support(self)  # None when decode steps are captured
         if self.graphs_disabled is None:
             self.graphs = DecodeGraphs(self, model_config.num_loops)
+            ec = engine_config
+            if ec.num_speculative_tokens or self.fills_deeper_slots:  # rows that stop short of full depth
+                verify = draft_lengths(ec.num_speculative_tokens, ec.speculative_adaptive) if ec.num_speculative_tokens else []
+                self.loop_graphs = LoopGraphs(self, [1, *verify], pool=self.graphs.pool)
 
     def _num_pages(self) -> int:
         ec, mc = self.engine_config, self.model_config
@@ -128,20 +138,24 @@ class ModelRunner:
             RowSpec(span.num_tokens, span.start, self.depth_slot(span.depth) if core else 0, seq.page_table)
             for seq, span in rows
         ]
-        write_mask = None
-        if core and any(span.exit is not None for _, span in rows):
-            write_mask = torch.cat(
-                [
-                    ~span.exit.exited.to(self.device) if span.exit is not None
-                    else torch.ones(span.num_tokens, dtype=torch.bool, device=self.device)
-                    for _, span in rows
-                ]
-            )
+        write_mask = self._write_mask(rows) if core else None
         return CoreContext(self.backend, self.kv, self.backend.prepare(specs, self.kv, write_mask))
+
+    def _write_mask(self, rows: list[Row]) -> torch.Tensor | None:
+        """Per token of a core call: whether it writes K/V (exited tokens do not); None: all do."""
+        if not any(span.exit is not None for _, span in rows):
+            return None
+        return torch.cat(
+            [
+                ~span.exit.exited.to(self.device) if span.exit is not None
+                else torch.ones(span.num_tokens, dtype=torch.bool, device=self.device)
+                for _, span in rows
+            ]
+        )  # fmt: skip
 
     @staticmethod
     def _positions(rows: list[Row], device: torch.device) -> torch.Tensor:
-        return torch.cat([torch.arange(span.start, span.end) for _, span in rows]).to(device)
+        return to_device([p for _, span in rows for p in range(span.start, span.end)], torch.long, device)
 
     @staticmethod
     def _split(rows: list[Row], t: torch.Tensor) -> tuple[torch.Tensor, ...]:
@@ -204,7 +218,7 @@ class ModelRunner:
         ids = [t for seq, span in starting for t in seq.token_ids(span.start, span.end)]
         ctx = self._context(starting, core=False) if model.prelude_attention else None
         positions = self._positions(starting, dev)
-        pre = model.prelude(torch.tensor(ids, dtype=torch.long, device=dev), positions, ctx)
+        pre = model.prelude(to_device(ids, torch.long, dev), positions, ctx)
         seeds = [s for seq, span in starting for s in [seq.generator.initial_seed()] * span.num_tokens]
         state = model.initial_state(pre, seeds, positions)
         injected = self._split(starting, pre.injected) if pre.injected is not None else [None] * len(starting)
@@ -220,7 +234,10 @@ class ModelRunner:
             self._prelude(starting)
         hidden = torch.cat([span.hidden for _, span in rows])
         injected = torch.cat([span.injected for _, span in rows]) if rows[0][1].injected is not None else None
-        core = model.core(hidden, injected, self._positions(rows, dev), self._context(rows, core=True))
+        core = self.loop_graphs.run(rows, hidden, injected, self._write_mask(rows)) if self.loop_graphs else None
+        graphed = core is not None
+        if core is None:
+            core = model.core(hidden, injected, self._positions(rows, dev), self._context(rows, core=True))
         gates = self._split(rows, core.gate_logits) if core.gate_logits is not None else [None] * len(rows)
         fills: list[tuple[Sequence, Span, torch.Tensor]] = []  # tokens that left the core now
         adaptive: list[Span] = []
@@ -242,6 +259,7 @@ class ModelRunner:
             self._fill_deeper_slots(fills)
         out = self._coda([(seq, span) for seq, span in rows if span.finished])
         out.num_core_calls, out.num_core_tokens = 1, sum(span.num_tokens for _, span in rows)
+        out.num_loop_graph_replays = int(graphed)
         return out
 
     def _check_logits(self, rows: list[Row], hidden: torch.Tensor) -> dict[int, torch.Tensor]:
@@ -257,7 +275,7 @@ class ModelRunner:
         coded = self.model.coda(
             torch.cat([parts[i] for i in idx]), self._positions(picked, self.device), self._context(picked, core=False)
         )
-        last = torch.tensor(list(itertools.accumulate(span.num_tokens for _, span in picked)), device=self.device) - 1
+        last = to_device(list(itertools.accumulate(span.num_tokens for _, span in picked)), torch.long, self.device) - 1
         logits = self.model.compute_logits(coded[last])
         return {id(span): row for (_, span), row in zip(picked, logits)}
 
@@ -291,28 +309,27 @@ class ModelRunner:
         rows = [(seq, span, mask) for seq, span, mask in fills if span.depth + 1 < self.max_loops]
         if not rows:
             return
-        kv, ps = self.kv, self.kv.page_size
-        slots = torch.tensor(
+        kv, ps, dev = self.kv, self.kv.page_size, self.device
+        slots = to_device(
             [seq.page_table[pos // ps] * ps + pos % ps for seq, span, _ in rows for pos in range(span.start, span.end)],
-            dtype=torch.long,
-            device=self.device,
-        )
-        mask = torch.cat([m for _, _, m in rows])
-        slots = slots[mask]
-        if slots.numel() == 0:
-            return
+            torch.long, dev,
+        )  # fmt: skip
+        src = to_device([span.depth for _, span, _ in rows for _ in range(span.num_tokens)], torch.long, dev)
+        leaving = torch.cat([m for _, _, m in rows])
         lowest = min(span.depth for _, span, _ in rows)
-        src = torch.cat([torch.full((span.num_tokens,), span.depth) for _, span, _ in rows]).to(self.device)[mask]
-        for layer, n_slots in enumerate(self.slots_per_layer):
-            if n_slots != self.max_loops:  # prelude/coda layers have a single slot
-                continue
-            base = kv.plane_base(layer)
-            k_flat, v_flat = kv.flat(layer)
-            k_src, v_src = k_flat[base + src, slots], v_flat[base + src, slots]
-            for d in range(lowest + 1, self.max_loops):
-                deeper = src < d
-                k_flat[base + d, slots[deeper]] = k_src[deeper]
-                v_flat[base + d, slots[deeper]] = v_src[deeper]
+        # Every (core layer, deeper slot d, token) at once, with no boolean indexing (a host
+        # sync on CUDA): a token that does not leave now, or is already at or below d, copies
+        # its own slot onto itself, which changes nothing.
+        bases = to_device([kv.plane_base(layer) for layer, n in enumerate(self.slots_per_layer) if n == self.max_loops],
+                          torch.long, dev)  # fmt: skip
+        depths = torch.arange(lowest + 1, self.max_loops, device=dev)
+        take = leaving[None, :] & (src[None, :] < depths[:, None])  # [E, T]
+        dst = bases[:, None, None] + torch.where(take, depths[:, None], src[None, :])[None]  # [L, E, T]
+        src_plane = (bases[:, None] + src[None, :])[:, None, :].expand_as(dst)
+        slot = slots.expand_as(dst)
+        k_flat, v_flat = kv.flat(0)
+        k_flat[dst, slot] = k_flat[src_plane, slot]
+        v_flat[dst, slot] = v_flat[src_plane, slot]
 
     def _coda(self, exiting: list[Row]) -> RunnerOutput:
         """Run the coda where rows leave the core; logits only where a distribution is needed."""

@@ -30,6 +30,11 @@ _KS = (1, 2, 4, 8, 16)
 _MARGIN = 1.02  # predicted speedup needed to speculate (measured costs are noisy)
 
 
+def draft_lengths(max_k: int, adaptive: bool) -> list[int]:
+    """The K a round may use: max_k, or with adaptive K the powers of two up to it."""
+    return ([k for k in _KS if k <= max_k] or [max_k]) if adaptive else [max_k]
+
+
 def _bucket(batch: int) -> int:
     return 1 << max(0, batch - 1).bit_length()
 
@@ -114,7 +119,7 @@ class SpecController:
         return (1 - a**k) / (1 - a)
 
     def _ks(self) -> list[int]:
-        return [k for k in _KS if k <= self.max_k] or [self.max_k]
+        return draft_lengths(self.max_k, True)
 
     def _speedup(self, b: int, plain: float, k: int, depth: int, accept: float | None = None) -> float:
         draft = self._step_cost("draft", b, 0, plain)

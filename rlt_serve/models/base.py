@@ -37,6 +37,8 @@ class LoopedModel(nn.Module):
     # Whether prelude / coda contain attention layers (and so need KV metadata and planes).
     prelude_attention: bool = False
     coda_attention: bool = False
+    # Whether every core step also reads the prelude's output (`PreludeOutput.injected`).
+    injects_prelude: bool = False
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()

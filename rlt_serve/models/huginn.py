@@ -111,6 +111,7 @@ class HuginnForCausalLM(LoopedModel):
     extra_stop_tokens = ("<|begin_text|>", "<|end_text|>", "<|end_turn|>")
     prelude_attention = True
     coda_attention = True
+    injects_prelude = True
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__(cfg)
