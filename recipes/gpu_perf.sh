@@ -4,7 +4,8 @@
 # (128 prompts, plus a 16K-token prefill batch), graphs on and off. Logs to $OUT/gpu_perf.log.
 #   run(command="bash recipes/gpu_perf.sh", carry=[".whl"], timeout_s=600)
 # SHAPE=nanbeige-3b|huginn-0125 benches another family; TESTS='' skips pytest; BENCH='c1 c64 eager'
-# picks the bench set. .whl holds msgspec and pyzmq cp312 wheels (the CLI imports the launcher).
+# picks the bench set (c1async, c64async: c1, c64 with --async-scheduling, to compare side by side).
+# .whl holds msgspec and pyzmq cp312 wheels (the CLI imports the launcher).
 set -uo pipefail
 OUT=${OUT:-/tmp/rlt_out}; mkdir -p "$OUT"
 exec > >(tee -a "$OUT/gpu_perf.log") 2>&1
@@ -39,6 +40,8 @@ for x in $BENCH; do
     c1) b c1 150 --concurrency 1 ;;
     c64) b c64 200 --concurrency 64 --num-prompts 128 --skip-reference --prefill-tokens 16384 --max-num-batched-tokens 16384 ;;
     eager) b c1_eager 90 --concurrency 1 --skip-reference --runs 1 --enforce-eager ;;
+    c1async) b c1_async 150 --concurrency 1 --skip-reference --async-scheduling ;;
+    c64async) b c64_async 200 --concurrency 64 --num-prompts 128 --skip-reference --max-num-batched-tokens 16384 --async-scheduling ;;
     c8) b c8 100 --concurrency 8 --skip-reference ;;
     c128) b c128 200 --concurrency 128 --num-prompts 128 --skip-reference ;;
   esac

@@ -137,6 +137,7 @@ class BenchConfig:
     num_kv_pages: int | None = None
     num_loops: int | None = None
     enforce_eager: bool = False
+    async_scheduling: bool = False  # launch step N+1 before reading step N's tokens
     prefill_tokens: int = 0  # also time one prompt batch of at least this many tokens (0: skip)
     reference: bool = True
     reference_runs: int = 1
@@ -170,6 +171,7 @@ def engine_args(cfg: BenchConfig, plain: bool = False) -> dict[str, Any]:
         max_loops=max(cfg.num_loops, checkpoint_loops) if cfg.num_loops else None,
         kv_layout="last_exited" if cfg.exit_threshold is not None and cfg.exit_threshold < 1 else "separate",
         enforce_eager=cfg.enforce_eager,
+        async_scheduling=cfg.async_scheduling,
         **spec,
     )
 
@@ -273,7 +275,8 @@ def count_decode_syncs(
     engine: Any, batch: int, vocab: int, steps: int = 8, sites: dict[str, int] | None = None
 ) -> float | None:
     """Host synchronisations per steady-state decode step (CUDA only), counted by torch's sync
-    debug mode, which warns at every synchronising call (a device-to-host read, an explicit sync)."""
+    debug mode, which warns at every synchronising call (a device-to-host read, an explicit sync),
+    plus async scheduling's token readbacks, which wait on an event (invisible to that mode)."""
     import warnings
 
     from rlt_serve.sampling_params import SamplingParams
@@ -286,6 +289,8 @@ def count_decode_syncs(
     while any(not s.decoding for s in engine.scheduler.running) or engine.scheduler.waiting:
         engine.step()
     torch.cuda.synchronize()
+    pipeline = getattr(engine, "async_step", None)
+    readbacks = pipeline.num_readbacks if pipeline is not None else 0
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         torch.cuda.set_sync_debug_mode("warn")
@@ -294,6 +299,7 @@ def count_decode_syncs(
                 engine.step()
         finally:
             torch.cuda.set_sync_debug_mode("default")
+    readbacks = pipeline.num_readbacks - readbacks if pipeline is not None else 0
     engine.abort_request([f"sync-{i}" for i in range(batch)])
     while engine.has_unfinished_requests():
         engine.step()
@@ -302,7 +308,11 @@ def count_decode_syncs(
         for w in found:
             key = f"{w.filename}:{w.lineno}"
             sites[key] = sites.get(key, 0) + 1
-    return len(found) / steps
+        if readbacks:
+            from rlt_serve.engine import async_step
+
+            sites[f"{async_step.__file__}:InFlight.read (event wait)"] = readbacks
+    return (len(found) + readbacks) / steps
 
 
 def run_prefill_once(engine: Any, roof: "Roofline", tokens: int, input_len: int, vocab: int) -> dict[str, float]:
@@ -465,7 +475,7 @@ def render(res: dict[str, Any]) -> str:
         (
             f"workload: concurrency {cfg['concurrency']}, {n} prompts x {cfg['input_len']} tokens, "
             f"{cfg['output_len']} output tokens each (ignore_eos); median of {len(res['runs'])} runs "
-            f"after {cfg['warmup']} warm-up"
+            f"after {cfg['warmup']} warm-up" + ("; async scheduling" if cfg.get("async_scheduling") else "")
         ),
         (
             f"roofline: {f['weight_gb_per_step']:.3g} GB weights per decode step, "

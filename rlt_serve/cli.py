@@ -126,6 +126,8 @@ def _add_tools(sub: Any) -> None:
     b.add_argument("--peak-flops", type=float, default=H200_BF16_FLOPS)
     b.add_argument("--peak-bandwidth", type=float, default=H200_BANDWIDTH)
     b.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs (vLLM's flag)")
+    b.add_argument("--async-scheduling", action="store_true",
+                   help="launch each step before reading the previous step's tokens (vLLM's flag)")
     b.add_argument("--prefill-tokens", type=int, default=0,
                    help="also time one prompt batch of at least this many tokens (prefill FLOP rate)")
     b.add_argument("--json", default=None, help="also write the measurements as JSON here")

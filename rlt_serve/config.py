@@ -303,6 +303,9 @@ class EngineConfig:
     # a whole token is one CUDA graph replay and one host read instead of one per loop.
     fuse_decode_loops: bool = True
     enforce_eager: bool = False  # vLLM's name: never capture CUDA graphs
+    # Schedule and launch step N+1 before reading step N's tokens (rlt_serve.engine.async_step):
+    # the host's share of a step overlaps the device's. Outputs arrive one step later.
+    async_scheduling: bool = False
     cuda_graph_sizes: list[int] | None = None  # decode batch sizes captured; None: 1, 2, 4, 8, then every 8 to max_num_seqs
     max_logprobs: int = 20
     seed: int = 0

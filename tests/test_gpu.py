@@ -261,3 +261,48 @@ def test_fused_ops_bf16_match_torch():
     gu = torch.randn(300, 2 * 5632, generator=g, **bf)
     got, want = fused_ops.silu_mul(gu).float(), (torch.nn.functional.silu(gu[:, :5632]) * gu[:, 5632:]).float()
     assert ((got - want).abs() / (want.abs() * 2**-7).clamp_min(2**-126)).max().item() <= 1.0
+
+
+# -- async scheduling -------------------------------------------------------------------------
+@pytest.mark.parametrize("family", ["ouro", "nanbeige", "huginn"])
+def test_async_scheduling_graph_decode_matches_sync(tmp_checkpoint, family):
+    """With graphs, the decode token taken from the previous step's device tensor (gathered into
+    the graph's static input) gives the synchronous engine's tokens and logprobs: greedy steady
+    decode, then the CPU test's randomised workload (seeded sampling, stops, preemption, aborts)."""
+    from test_async_scheduling import _assert_same, _drive
+    from test_async_scheduling import _workload as async_workload
+
+    _need("triton", torch.float32)
+    path = tmp_checkpoint(family, seed=7, **SHAPES.get(family, {}))
+    pipelined, engine = _steady_decode(path, "float32", 8, async_scheduling=True)
+    plain, _ = _steady_decode(path, "float32", 8)
+    assert engine.runner.graphs is not None and engine.stats().num_cuda_graph_replays > 0
+    assert engine.async_step.num_readbacks > 0 and engine.async_step.num_sync_steps == 0
+    assert pipelined.keys() == plain.keys()
+    for rid, (tokens, logprobs) in plain.items():
+        assert pipelined[rid][0] == tokens, rid
+        assert max(abs(a - b) for a, b in zip(pipelined[rid][1], logprobs)) < 1e-4
+    reqs = async_workload(7)
+    kw = dict(device="cuda", attention_backend="triton", num_kv_pages=10, max_num_seqs=8, max_num_batched_tokens=24,
+              long_prefill_token_threshold=8)  # fmt: skip
+    got, e = _drive(path, True, reqs, **kw)
+    want, _ = _drive(path, False, reqs, **kw)
+    _assert_same(got, want, tol=1e-4)
+    assert e.stats().num_cuda_graph_replays > 0
+
+
+def test_async_decode_step_host_syncs(tmp_checkpoint):
+    """Async scheduling, steady-state decode: one host wait per step (the previous step's tokens,
+    read while this step runs) and no other synchronising call in the engine."""
+    from rlt_serve.bench import count_decode_syncs
+
+    path = tmp_checkpoint("ouro", seed=7, **SHAPES["ouro"])
+    engine = LLMEngine(path, dtype="bfloat16", device="cuda", skip_tokenizer_init=True, attention_backend="triton",
+                       max_num_seqs=8, num_kv_pages=512, async_scheduling=True)  # fmt: skip
+    sites: dict[str, int] = {}
+    syncs = count_decode_syncs(engine, 8, 300, sites=sites)
+    ours = {site: n for site, n in sites.items() if "/rlt_serve/" in site}
+    readback = [n for site, n in ours.items() if "InFlight.read" in site]
+    assert readback == [8], (syncs, sites)  # 8 steps were counted: one readback each
+    assert sum(ours.values()) <= 8, (syncs, sites)
+    assert engine.num_free_pages == engine.num_pages

@@ -6,7 +6,9 @@ step time. So each step of decode tokens is one graph replay, captured per batch
 `cuda_graph_sizes`): the smallest captured size that holds the batch runs, its padding rows have
 no query and write no KV. A graph reads its inputs from fixed device addresses, so every input
 (token ids, positions, KV slots, per-depth row records, page tables) lives in one int32 device
-buffer, filled from one pinned host buffer by a single non-blocking copy per step.
+buffer, filled from one pinned host buffer by a single non-blocking copy per step. With async
+scheduling a decode token sampled by the previous step is still on the device: its id is gathered
+into the static `ids` field on the device, after the copy and before the replay.
 
 Only the Triton backend takes all of its per-call metadata from device tensors, so graphs are
 captured with it; other configurations run the same fused step eagerly, and `graph_support` says
@@ -25,6 +27,7 @@ import numpy as np
 import torch
 
 from rlt_serve.attention.backend import AttentionMetadata
+from rlt_serve.engine.sequence import PLACEHOLDER_TOKEN
 from rlt_serve.models.base import LoopedModel
 from rlt_serve.models.layers import CoreContext
 
@@ -65,7 +68,7 @@ class DecodeGraphs:
         max_len = min(ec.max_model_len or mc.max_position_embeddings, runner.kv.num_pages * ps)
         self.width = math.ceil(max_len / ps)  # page-table entries per row
         b_max, d = self.sizes[-1], num_loops
-        fields = {"ids": b_max, "pos": b_max, "slot": b_max, "mask": b_max, "tiles": 2 * b_max,
+        fields = {"ids": b_max, "src": b_max, "pos": b_max, "slot": b_max, "mask": b_max, "tiles": 2 * b_max,
                   "rows": d * b_max * 4, "depth": d * b_max, "table": b_max * self.width}  # fmt: skip
         self.off: dict[str, int] = {}
         total = 0
@@ -150,7 +153,16 @@ class DecodeGraphs:
         self._copied.synchronize()  # the previous step's copy has left the host buffer
         positions = [span.start for _, span in rows]
         tables = [seq.page_table for seq, _ in rows]
-        host[off["ids"] : off["ids"] + n] = [(seq.output_token_ids or seq.prompt_token_ids)[-1] for seq, _ in rows]
+        ids = [(seq.output_token_ids or seq.prompt_token_ids)[-1] for seq, _ in rows]
+        host[off["ids"] : off["ids"] + n] = ids
+        # Async scheduling: a token still on the device comes from the previous step's draws (src).
+        pending = self.runner.pending
+        srcs = [pending.source(seq, span.start) for seq, span in rows] if pending is not None else []
+        num_pending = sum(s >= 0 for s in srcs)
+        if ids.count(PLACEHOLDER_TOKEN) != num_pending:
+            raise AssertionError("a placeholder token reached a decode graph without a device source")
+        if num_pending:
+            host[off["src"] : off["src"] + n] = srcs
         host[off["pos"] : off["pos"] + b] = positions + [0] * (b - n)
         host[off["slot"] : off["slot"] + b] = [pt[p // ps] * ps + p % ps for pt, p in zip(tables, positions)] + [0] * (b - n)
         host[off["mask"] : off["mask"] + b] = [1] * n + [0] * (b - n)
@@ -160,6 +172,9 @@ class DecodeGraphs:
             self._table_np[i, : len(pt)] = pt
         self.dev.copy_(self.host, non_blocking=True)
         self._copied.record()
+        if num_pending:  # the graph reads ids from its static buffer: fill it on the device
+            dev_ids, src = self._dev_view("ids", n), self._dev_view("src", n)
+            dev_ids.copy_(torch.where(src >= 0, pending.tokens32.index_select(0, src.clamp(min=0)), dev_ids))
         if self.seeded_state:
             from rlt_serve.models.base import PreludeOutput
 

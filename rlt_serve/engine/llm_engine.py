@@ -17,12 +17,13 @@ import torch
 from rlt_serve.config import HUGINN, ConfigError, EngineConfig, ModelConfig, check_model_engine, parse_dtype
 from dataclasses import dataclass, field
 
+from rlt_serve.engine.async_step import AsyncStep
 from rlt_serve.engine.block_manager import BlockManager
 from rlt_serve.engine.handoff import Handoff, KVChunk, Reservation
-from rlt_serve.engine.model_runner import ModelRunner
+from rlt_serve.engine.model_runner import ModelRunner, RunnerOutput
 from rlt_serve.engine.output_processor import OutputProcessor
-from rlt_serve.engine.sampler import Sampler, top_logprobs
-from rlt_serve.engine.scheduler import Scheduler
+from rlt_serve.engine.sampler import SampleResult, Sampler, top_logprobs
+from rlt_serve.engine.scheduler import Scheduler, SchedulerOutput
 from rlt_serve.engine.spec_controller import SpecController
 from rlt_serve.engine.swap import SwapSpace
 from rlt_serve.engine.sequence import Sequence, SequenceStatus
@@ -135,6 +136,7 @@ class LLMEngine:
         self._rng = random.Random(cfg.seed)
         self._stats = EngineStats(num_pages=num_pages)
         self.handoff = Handoff(self)
+        self.async_step = AsyncStep(self) if cfg.async_scheduling else None
         logger.info("%s", self.kv_capacity_report())
 
     def kv_capacity_report(self) -> str:
@@ -328,6 +330,8 @@ class LLMEngine:
                 continue
             seq = self._seqs.get(rid)
             if seq is not None and not seq.status.finished:
+                if self.async_step is not None:
+                    self.async_step.discard(seq)  # a token still in flight was never seen: drop it
                 self.scheduler.finish(seq, SequenceStatus.FINISHED_ABORTED)
                 self._aborted.append(seq)
 
@@ -336,21 +340,28 @@ class LLMEngine:
 
     # -- the loop -------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        started = self.scheduler.spec.clock() if self.scheduler.spec is not None else 0.0
+        if self.async_step is not None:
+            return self.async_step.step()
+        return self._sync_step()
+
+    def _begin_step(self, in_flight: bool = False) -> tuple[list[RequestOutput], SchedulerOutput | None]:
+        """Outputs of aborted requests and first tokens, and the next call's rows (None: no rows).
+        `in_flight`: an async step is unread, so finishing requests may still free room."""
         outputs = [self._retire(seq) for seq in self._aborted]
         self._aborted.clear()
         outputs += self.handoff.sample_first_tokens()
         if not self.scheduler.has_unfinished():
-            return outputs
+            return outputs, None
         sched = self.scheduler.schedule()
         if not sched.rows:
             # Pages held for PD transfers come back by release/abort from outside: wait for them.
-            if (self.scheduler.running or self.scheduler.waiting) and not self.handoff.num_held:
+            if (self.scheduler.running or self.scheduler.waiting) and not self.handoff.num_held and not in_flight:
                 raise RuntimeError("scheduler made no progress: the KV pool cannot hold any waiting request")
-            return outputs
-        spec = self.scheduler.spec
-        if spec is not None:
-            spec.start_step(sched.rows, started)
+            return outputs, None
+        return outputs, sched
+
+    def _execute(self, sched: SchedulerOutput) -> RunnerOutput:
+        """One core call and its bookkeeping: stats, rows advanced, prompt logprobs recorded."""
         result = self.runner.execute(sched)
         st = self._stats
         st.num_core_calls += result.num_core_calls
@@ -370,6 +381,25 @@ class LLMEngine:
             st.sample_depth_counts[d] = st.sample_depth_counts.get(d, 0) + 1
         for seq, start, logits in result.prompt_logits:
             self._record_prompt_logprobs(seq, start, logits)
+        return result
+
+    def _process_sample(self, seq: Sequence, sample: SampleResult) -> RequestOutput:
+        status = self.output_processor.process_token(seq, sample)
+        if status is not None:
+            self.scheduler.finish(seq, status)
+            return self._retire(seq)
+        return self.output_processor.make_output(seq)
+
+    def _sync_step(self) -> list[RequestOutput]:
+        spec = self.scheduler.spec
+        started = spec.clock() if spec is not None else 0.0
+        outputs, sched = self._begin_step()
+        if sched is None:
+            return outputs
+        if spec is not None:
+            spec.start_step(sched.rows, started)
+        result = self._execute(sched)
+        st = self._stats
         for seq, logits in result.draft_logits:  # drafts are drawn from the shallow distribution
             if not seq.drafts:
                 seq.spec_rng_state = seq.generator.get_state()
@@ -381,13 +411,7 @@ class LLMEngine:
         if result.sample_seqs:
             samples = self.sampler(result.sample_logits, result.sample_seqs)
             st.num_generation_tokens += len(samples)
-            for seq, sample in zip(result.sample_seqs, samples):
-                status = self.output_processor.process_token(seq, sample)
-                if status is not None:
-                    self.scheduler.finish(seq, status)
-                    outputs.append(self._retire(seq))
-                else:
-                    outputs.append(self.output_processor.make_output(seq))
+            outputs += [self._process_sample(seq, sample) for seq, sample in zip(result.sample_seqs, samples)]
         if spec is not None:
             spec.end_step()
         return outputs

@@ -15,6 +15,7 @@ import torch
 
 from rlt_serve.attention import RowSpec, get_attention_backend
 from rlt_serve.config import ConfigError, EngineConfig, ModelConfig, core_ring_slots
+from rlt_serve.engine.async_step import PendingTokens
 from rlt_serve.engine.cuda_graph import DecodeGraphs, graph_support
 from rlt_serve.engine.loop_graph import LoopGraphs
 from rlt_serve.engine.kv_cache import KVCache
@@ -102,6 +103,9 @@ class ModelRunner:
             device=device,
         )
         self.backend = get_attention_backend(engine_config.attention_backend, device, dtype, engine_config.page_size)
+        # Async scheduling: the previous step's sampled tokens, still on the device, that this
+        # step's rows take as inputs (set by AsyncStep for the duration of one execute()).
+        self.pending: PendingTokens | None = None
         self.graphs: DecodeGraphs | None = None
         self.loop_graphs: LoopGraphs | None = None  # one-loop steps of one-token rows (drafts, early exit)
         self.graphs_disabled = graph_support(self)  # None when decode steps are captured
@@ -218,7 +222,10 @@ class ModelRunner:
         ids = [t for seq, span in starting for t in seq.token_ids(span.start, span.end)]
         ctx = self._context(starting, core=False) if model.prelude_attention else None
         positions = self._positions(starting, dev)
-        pre = model.prelude(to_device(ids, torch.long, dev), positions, ctx)
+        ids_dev = to_device(ids, torch.long, dev)
+        if self.pending is not None:
+            ids_dev = self.pending.fill(starting, ids, ids_dev)
+        pre = model.prelude(ids_dev, positions, ctx)
         seeds = [s for seq, span in starting for s in [seq.generator.initial_seed()] * span.num_tokens]
         state = model.initial_state(pre, seeds, positions)
         injected = self._split(starting, pre.injected) if pre.injected is not None else [None] * len(starting)

@@ -22,21 +22,23 @@ class SampleResult:
     logprobs: PositionLogprobs | None
 
 
+def _table(token: int, chosen: float, rank: int, top_ids: list, top_vals: list) -> PositionLogprobs:
+    """One position's entry: the given token with its 1-based rank, then the top ones."""
+    entry = {token: Logprob(chosen, rank)}
+    for r, (t, v) in enumerate(zip(top_ids, top_vals)):
+        entry.setdefault(int(t), Logprob(v, r + 1))
+    return entry
+
+
 def top_logprobs(logprobs: torch.Tensor, token_ids: list[int], k: int) -> list[PositionLogprobs]:
     """For each row: the given token and the k most likely ones, with 1-based ranks."""
-    out: list[PositionLogprobs] = []
     top_vals, top_idx = logprobs.topk(k, dim=-1) if k > 0 else (None, None)
     chosen = logprobs.gather(1, torch.tensor(token_ids, device=logprobs.device)[:, None]).squeeze(1)
     ranks = (logprobs > chosen[:, None]).sum(-1) + 1
     chosen_l, ranks_l = chosen.tolist(), ranks.tolist()
     tv = top_vals.tolist() if k > 0 else [[]] * len(token_ids)
     ti = top_idx.tolist() if k > 0 else [[]] * len(token_ids)
-    for i, tok in enumerate(token_ids):
-        entry = {tok: Logprob(chosen_l[i], ranks_l[i])}
-        for r, (t, v) in enumerate(zip(ti[i], tv[i])):
-            entry.setdefault(t, Logprob(v, r + 1))
-        out.append(entry)
-    return out
+    return [_table(tok, chosen_l[i], ranks_l[i], ti[i], tv[i]) for i, tok in enumerate(token_ids)]
 
 
 class Sampler:
@@ -50,25 +52,40 @@ class Sampler:
 
         The draws stay on the device and the tokens come back with their logprobs in one host
         read, so a decode step waits on the device once however many rows it samples."""
+        _, packed = self.sample_packed(logits, seqs, tokens)
+        return self.unpack(packed.tolist(), seqs)
+
+    def sample_packed(
+        self, logits: torch.Tensor, seqs: list[Sequence], tokens: list[int] | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The draws without reading them: (token ids [n] int64, packed [n, C] float64) on the
+        device. A packed row is (token, logprob[, rank, top-k ids, top-k logprobs]); ids and ranks
+        are exact in float64, so one copy brings everything back (async scheduling reads it a step
+        later)."""
         raw = torch.log_softmax(logits, dim=-1)
-        if tokens is None:
-            picked = self._draw(logits, seqs)
-        else:
-            picked = torch.tensor(tokens, device=raw.device)
-        chosen_t = raw.gather(1, picked[:, None]).squeeze(1)
-        # One read: token ids are exact in float64.
-        tokens_f, chosen = torch.stack([picked.to(torch.float64), chosen_t.to(torch.float64)]).tolist()
-        tokens = [int(t) for t in tokens_f]
-        k = max((s.params.logprobs or 0) for s in seqs)
-        need = any(s.params.logprobs is not None for s in seqs)
-        tables = top_logprobs(raw, tokens, k) if need else [None] * len(seqs)
+        picked = self._draw(logits, seqs) if tokens is None else torch.tensor(tokens, device=raw.device)
+        chosen = raw.gather(1, picked[:, None])
+        cols = [picked[:, None].to(torch.float64), chosen.to(torch.float64)]
+        if any(s.params.logprobs is not None for s in seqs):
+            cols.append(((raw > chosen).sum(-1, keepdim=True) + 1).to(torch.float64))
+            k = max((s.params.logprobs or 0) for s in seqs)
+            if k > 0:
+                vals, idx = raw.topk(k, dim=-1)
+                cols += [idx.to(torch.float64), vals.to(torch.float64)]
+        return picked, torch.cat(cols, dim=1)
+
+    @staticmethod
+    def unpack(rows: list[list[float]], seqs: list[Sequence]) -> list[SampleResult]:
+        """`SampleResult`s from `sample_packed`'s rows read back to the host."""
         results = []
-        for i, seq in enumerate(seqs):
-            table = None
-            if seq.params.logprobs is not None:
-                keep = seq.params.logprobs
-                table = {t: lp for t, lp in tables[i].items() if t == tokens[i] or lp.rank <= keep}
-            results.append(SampleResult(tokens[i], chosen[i], table))
+        for row, seq in zip(rows, seqs):
+            token, table = int(row[0]), None
+            keep = seq.params.logprobs
+            if keep is not None:
+                k = (len(row) - 3) // 2
+                full = _table(token, row[1], int(row[2]), row[3 : 3 + k], row[3 + k :])
+                table = {t: lp for t, lp in full.items() if t == token or lp.rank <= keep}
+            results.append(SampleResult(token, row[1], table))
         return results
 
     def _draw(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:

@@ -60,6 +60,7 @@ class SwapState:
 
 
 _arrival = itertools.count()
+PLACEHOLDER_TOKEN = -1  # an output token still on the device (async scheduling); never embedded
 
 
 @dataclass(eq=False)
@@ -104,6 +105,9 @@ class Sequence:
     pd_role: str | None = None
     kv_generation: int = 0
     transfer_pinned: bool = False
+    # Async scheduling (rlt_serve.engine.async_step): trailing output tokens drawn on the device but
+    # not yet read back; they hold PLACEHOLDER_TOKEN on the host until the step is resolved.
+    num_pending_tokens: int = 0
 
     def __post_init__(self) -> None:
         if self.params.logprobs is not None:
@@ -137,7 +141,8 @@ class Sequence:
     def shareable_tokens(self) -> int:
         """Computed positions whose pages may be shared: with recorded exits only prompt positions,
         since a generated position's depth is this request's decision, not a function of tokens."""
-        return min(self.num_computed, self.num_prompt_tokens) if self.exit_depths is not None else self.num_computed
+        known = min(self.num_computed, self.num_tokens - self.num_pending_tokens)  # a pending token has no hash yet
+        return min(known, self.num_prompt_tokens) if self.exit_depths is not None else known
 
     @property
     def num_prompt_tokens(self) -> int:
