@@ -27,7 +27,7 @@ from dataclasses import dataclass, fields
 import torch
 import torch.nn.functional as F
 
-from rlt_serve.engine.exit_policy import ExitState, q_exit_step
+from rlt_serve.engine.exit_policy import ExitState
 from rlt_serve.engine.sequence import Sequence, Span
 
 DEFAULT_THRESHOLDS = {
@@ -110,16 +110,10 @@ def needs_distribution(seq: Sequence, span: Span) -> bool:
     )
 
 
-def exit_step(
-    seq: Sequence, span: Span, hidden: torch.Tensor, gate_logits: torch.Tensor | None, logits: torch.Tensor | None,
-    delay: bool = False,
-) -> torch.Tensor:
-    """Update the span's exit state after step `span.depth`; the mask of tokens leaving now.
-    `delay` (delayed exit, Q-exit only) applies each decision one loop later."""
+def exit_step(seq: Sequence, span: Span, hidden: torch.Tensor, logits: torch.Tensor | None) -> torch.Tensor:
+    """Update a Huginn criterion row's exit state after step `span.depth`; the mask of tokens
+    leaving now. (Ouro's Q-exit rows are decided together, by `exit_policy.q_exit_rows`.)"""
     st, d = span.exit, span.depth
-    if not isinstance(st, CriterionExit):
-        p = seq.params
-        return q_exit_step(st, gate_logits, hidden, d, p.exit_threshold, p.min_loops or 1, seq.num_loops, delay)
     want = st.target == d
     if st.decides and is_check_step(seq, d):
         want = want | _criterion_met(seq, st, hidden, logits)

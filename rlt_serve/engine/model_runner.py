@@ -20,7 +20,7 @@ from rlt_serve.engine.cuda_graph import DecodeGraphs, graph_support
 from rlt_serve.engine.loop_graph import LoopGraphs
 from rlt_serve.engine.kv_cache import KVCache
 from rlt_serve.engine.exit_criteria import exit_step, needs_distribution, new_exit_state, record_exit_depths
-from rlt_serve.engine.exit_policy import ExitReadback, row_done_flag
+from rlt_serve.engine.exit_policy import ExitReadback, ExitState, q_exit_rows, row_done_flag
 from rlt_serve.engine.scheduler import Row, SchedulerOutput
 from rlt_serve.engine.sequence import Sequence, Span
 from rlt_serve.engine.spec_controller import draft_lengths
@@ -248,11 +248,15 @@ class ModelRunner:
         gates = self._split(rows, core.gate_logits) if core.gate_logits is not None else [None] * len(rows)
         fills: list[tuple[Sequence, Span, torch.Tensor]] = []  # tokens that left the core now
         adaptive: list[Span] = []
+        q_rows: list[tuple[Sequence, Span, torch.Tensor]] = []  # Ouro Q-exit rows, decided in one pass
         dists = self._check_logits(rows, core.hidden)
         for (seq, span), h, g in zip(rows, self._split(rows, core.hidden), gates):
             span.hidden = h
-            if span.exit is not None:
-                new = exit_step(seq, span, h, g, dists.get(id(span)), self.engine_config.delayed_exit)
+            if isinstance(span.exit, ExitState):
+                q_rows.append((seq, span, h))
+                adaptive.append(span)
+            elif span.exit is not None:
+                new = exit_step(seq, span, h, dists.get(id(span)))
                 fills.append((seq, span, new))
                 adaptive.append(span)
             elif span.depth + 1 == (span.stop_depth or seq.num_loops):
@@ -260,8 +264,12 @@ class ModelRunner:
                 if span.kind == "draft":  # its deeper loops come with the verify row
                     continue
                 fills.append((seq, span, torch.ones(span.num_tokens, dtype=torch.bool, device=dev)))
+        done: dict[int, torch.Tensor] = {}
+        if q_rows:
+            gate = torch.cat([g for (_, span), g in zip(rows, gates) if isinstance(span.exit, ExitState)])
+            fills += self._q_exits(q_rows, gate, done)
         if adaptive:
-            self._decide_exits(rows, adaptive)
+            self._decide_exits(rows, adaptive, done)
         if self.fills_deeper_slots:
             self._fill_deeper_slots(fills)
         out = self._coda([(seq, span) for seq, span in rows if span.finished])
@@ -286,7 +294,22 @@ class ModelRunner:
         logits = self.model.compute_logits(coded[last])
         return {id(span): row for (_, span), row in zip(picked, logits)}
 
-    def _decide_exits(self, rows: list[Row], adaptive: list[Span]) -> None:
+    def _q_exits(self, q_rows: list[tuple[Sequence, Span, torch.Tensor]], gate: torch.Tensor,
+                 done: dict[int, torch.Tensor]) -> list[tuple[Sequence, Span, torch.Tensor]]:  # fmt: skip
+        """Ouro's Q-exit rule for every such row of the call at once; fills `done` (span id ->
+        [] bool, the row has left the core) and returns the rows' tokens leaving now."""
+        states, news, flags = q_exit_rows(
+            [span.exit for _, span, _ in q_rows], gate, torch.cat([h for _, _, h in q_rows]),
+            [span.depth for _, span, _ in q_rows], [seq.params.exit_threshold for seq, _, _ in q_rows],
+            [seq.params.min_loops or 1 for seq, _, _ in q_rows], [seq.num_loops for seq, _, _ in q_rows],
+            self.engine_config.delayed_exit,
+        )  # fmt: skip
+        for (_, span, _), st, flag in zip(q_rows, states, flags):
+            span.exit = st
+            done[id(span)] = flag
+        return [(seq, span, new) for (seq, span, _), new in zip(q_rows, news)]
+
+    def _decide_exits(self, rows: list[Row], adaptive: list[Span], done: dict[int, torch.Tensor]) -> None:
         """Whether each adaptive row has left the core entirely (`span.finished`).
 
         Synchronous (default): one blocking host read per call, of this call's decisions.
@@ -299,7 +322,7 @@ class ModelRunner:
         but its decisions take effect one loop later (exit_policy), so no loop is wasted."""
         ec = self.engine_config
         delay = ec.delayed_exit
-        flags = torch.stack([row_done_flag(span.exit, delay) for span in adaptive])
+        flags = torch.stack([done[id(span)] if id(span) in done else row_done_flag(span.exit, delay) for span in adaptive])
         if not (delay or ec.async_exit):
             for span, done in zip(adaptive, flags.tolist()):
                 span.finished = done
