@@ -251,6 +251,8 @@ def test_prefill_worker_dead_before_it_got_the_prompt_is_retried(faulty: Server,
     threads[0].join(60)
     code, got = results[0]
     assert code == 200, got
+    retried = f"prefill worker {victim} died before it was sent the prompt; retrying on "
+    assert any(retried in line for line in faulty.log), "the request went through the retry"
     assert got["choices"][0]["text"] == want.json()["choices"][0]["text"]
     assert got["choices"][0]["logprobs"] == want.json()["choices"][0]["logprobs"]
     assert faulty.metrics().get('rlt:pd_failures_total{phase="reserving"}', 0) == 0
