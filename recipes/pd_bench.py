@@ -1,12 +1,13 @@
 """1 prefill + 1 decode worker against one `both` worker, over the real HTTP server.
 
-    python recipes/pd_bench.py --model DIR [--num-prompts 64 --concurrency 16 --input-len 1024 --output-len 128]
+    python recipes/pd_bench.py --model DIR [--num-prompts 8,64 --concurrency 1,16 --input-len 1024 --output-len 128]
         [--launch-args "--dtype bfloat16 --num-kv-pages 2000"] [--pd-args "--kv-transport nixl"] [--json out.json]
 
 For each setup it starts `rlt-serve launch` (both: `--workers 1`; PD: `--prefill 1 --decode 1`,
 two processes sharing the visible GPU), waits for /health, sends the same streaming requests
-(random prompt ids, greedy, ignore_eos) and measures, per request, TTFT and inter-token latency
-from SSE arrival times, plus throughput over the run; for PD it reads the transfer counters from
+(random prompt ids, greedy, ignore_eos) at each concurrency (one launch serves them all) and
+measures, per request, TTFT and inter-token latency from SSE arrival times (p50, p90, p99), plus
+throughput over the run; for PD it reads the transfer counters from
 /metrics (bytes sent, writes, summed write time, per-request transfer time). The client is the
 standard library only, so it runs where the server's wheels are all that is installed.
 """
@@ -74,6 +75,18 @@ def _stop(proc: subprocess.Popen) -> None:
             os.killpg(proc.pid, signal.SIGKILL)
 
 
+def write_bench_tokenizer(model: str, vocab: int) -> None:
+    """A random checkpoint has no tokenizer; the router needs one that decodes every id to some
+    text (ids past a tokenizer's vocabulary decode to nothing, and a token without text would be
+    missing from the SSE stream): one word per id."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    tok = Tokenizer(models.WordLevel({f"t{i}": i for i in range(vocab)}, unk_token="t0"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.decoder = decoders.WordPiece(prefix="##", cleanup=False)  # joins the words with spaces
+    tok.save(os.path.join(model, "tokenizer.json"))
+
+
 def _conn(base: str) -> http.client.HTTPConnection:
     u = urlparse(base)
     return http.client.HTTPConnection(u.hostname, u.port, timeout=600)
@@ -136,12 +149,16 @@ def _run(base: str, prompts: list[list[int]], output_len: int, concurrency: int)
 
     ttft = sorted(r["ttft"] for r in results)
     itl = sorted(x for r in results for x in r["itl"])
+
+    def pct(xs: list[float], q: float) -> float:
+        return 1e3 * xs[round(q * (len(xs) - 1))] if xs else 0.0
+
     out = {
         "requests": len(results), "wall_s": wall,
         "output_tok_s": sum(r["tokens"] for r in results) / wall,
-        "ttft_p50_ms": 1e3 * statistics.median(ttft), "ttft_p99_ms": 1e3 * ttft[int(0.99 * (len(ttft) - 1))],
-        "itl_p50_ms": 1e3 * statistics.median(itl) if itl else 0.0,
-        "itl_p99_ms": 1e3 * itl[int(0.99 * (len(itl) - 1))] if itl else 0.0,
+        "ttft_p50_ms": 1e3 * statistics.median(ttft), "ttft_p90_ms": pct(ttft, 0.9), "ttft_p99_ms": pct(ttft, 0.99),
+        "itl_p50_ms": 1e3 * statistics.median(itl) if itl else 0.0, "itl_p90_ms": pct(itl, 0.9),
+        "itl_p99_ms": pct(itl, 0.99),
     }  # fmt: skip
     sent = delta("rlt:kv_transfer_bytes_total", direction="sent")
     if sent:
@@ -161,8 +178,8 @@ def _run(base: str, prompts: list[list[int]], output_len: int, concurrency: int)
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", required=True)
-    p.add_argument("--num-prompts", type=int, default=64)
-    p.add_argument("--concurrency", type=int, default=16)
+    p.add_argument("--num-prompts", default="64", help="per concurrency (comma-separated, or one for all)")
+    p.add_argument("--concurrency", default="16", help="comma-separated: each is measured on the same launch")
     p.add_argument("--input-len", type=int, default=1024)
     p.add_argument("--output-len", type=int, default=128)
     p.add_argument("--warmup", type=int, default=4, help="unmeasured requests first")
@@ -176,16 +193,27 @@ def main() -> int:
     args = p.parse_args()
     with open(os.path.join(args.model, "config.json")) as f:
         vocab = json.load(f)["vocab_size"]
+    if not os.path.exists(os.path.join(args.model, "tokenizer.json")):
+        write_bench_tokenizer(args.model, vocab)
+    concurrencies = [int(c) for c in args.concurrency.split(",")]
+    counts = [int(n) for n in args.num_prompts.split(",")]
+    counts = counts * len(concurrencies) if len(counts) == 1 else counts
+    if len(counts) != len(concurrencies):
+        p.error("--num-prompts needs one value, or one per --concurrency")
     rng = random.Random(args.seed)
-    prompts = [[rng.randrange(10, vocab) for _ in range(args.input_len)] for _ in range(args.num_prompts)]
+    prompts = [[rng.randrange(10, vocab) for _ in range(args.input_len)] for _ in range(max(counts))]
     results = {}
     for name in args.setups.split(","):
         extra = shlex.split(args.launch_args) + shlex.split(args.both_args if name == "both" else args.pd_args)
         print(f"== {name}: rlt-serve launch {' '.join(extra)}", file=sys.stderr, flush=True)
+        t0 = time.perf_counter()
         proc, base = _launch(args.model, extra, args.load_timeout)
+        print(f"== {name}: healthy after {time.perf_counter() - t0:.1f}s", file=sys.stderr, flush=True)
         try:
-            _run(base, prompts[: args.warmup], args.output_len, args.concurrency)
-            results[name] = _run(base, prompts, args.output_len, args.concurrency)
+            _run(base, prompts[: args.warmup], args.output_len, max(concurrencies))
+            for c, n in zip(concurrencies, counts):
+                results[f"{name} c={c}"] = _run(base, prompts[:n], args.output_len, c)
+                print(f"== {name} c={c}: {json.dumps(results[f'{name} c={c}'])}", file=sys.stderr, flush=True)
         finally:
             _stop(proc)
     keys = sorted({k for r in results.values() for k in r})

@@ -53,6 +53,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="PD: seconds one KV write (and the activation after it) may take")  # fmt: skip
     p.add_argument("--kv-transfer-budget-bytes", type=int, default=256 << 20,
                    help="PD: KV bytes a prefill worker keeps in flight")  # fmt: skip
+    p.add_argument("--kv-reservation-timeout", type=float, default=None,
+                   help="PD: seconds a decode worker holds pages for a prompt that is never activated (default: "
+                        "the request timeout plus the transfer timeout plus 30, past every router bound)")  # fmt: skip
     p.add_argument("--worker-host", default="127.0.0.1", help="with --worker-port: the interface to bind")
     p.add_argument("--worker-port", type=int, default=None,
                    help="also accept workers that join over tcp://WORKER_HOST:PORT (0: a free port, printed)")  # fmt: skip
@@ -283,7 +286,15 @@ def run(args: argparse.Namespace) -> int:
 def pd_worker_args(args: argparse.Namespace) -> list[str]:
     """The command-line options a PD worker takes from `launch`'s."""
     return ["--kv-transport", args.kv_transport, "--kv-transfer-timeout", str(args.kv_transfer_timeout),
-            "--kv-transfer-budget-bytes", str(args.kv_transfer_budget_bytes)]  # fmt: skip
+            "--kv-transfer-budget-bytes", str(args.kv_transfer_budget_bytes),
+            "--kv-reservation-timeout", str(reservation_timeout(args))]  # fmt: skip
+
+
+def reservation_timeout(args: argparse.Namespace) -> float:
+    """The decode side's bound on an unactivated reservation: past the router's (it tears down first)."""
+    if args.kv_reservation_timeout is not None:
+        return args.kv_reservation_timeout
+    return args.request_timeout + args.kv_transfer_timeout + 30.0
 
 
 def _serve_router(args: argparse.Namespace, model: str, name: str, router_addr: str, procs: list[WorkerProcess]) -> int:

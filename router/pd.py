@@ -11,9 +11,13 @@ timeout, a worker that dies or reports an error), the teardown is one ordered pa
 prefill worker is told to abort and must confirm that no write is in flight (`PrefillReleased`);
 only then is the decode worker told to free the pages the writes targeted. A prefill worker that
 cannot confirm within `stop` seconds is declared dead (its writes can no longer be trusted), which
-also stops it receiving work. Every request ends exactly once: the driver puts at most one error
-delta into the request's stream (`WorkerPool.fail_stream` pops it), and the prefill ticket is
-released exactly once when the driver ends (the decode ticket stays with the `Generation`).
+also stops it receiving work. A prefill worker that dies before it was sent the prompt has computed
+and written nothing: the request takes a ticket on another prefill worker and keeps its decode
+reservation (up to `prefill_attempts` workers); once `Prefill` went out, a death fails the request.
+Every request ends exactly once: the driver puts at most one error delta into the request's stream
+(`WorkerPool.fail_stream` pops it), and each prefill ticket is released exactly once (a dead
+worker's when it is replaced, the last when the driver ends; the decode ticket stays with the
+`Generation`).
 """
 
 from __future__ import annotations
@@ -55,6 +59,7 @@ class PDTimeouts:
     transfer: float = 30.0  # the decode side's bound on the writes' notifications after Activate
     activate: float = 35.0  # Committed after Activate (longer: the decode side reports first)
     stop: float = 10.0  # a prefill worker confirming that its writes stopped
+    prefill_attempts: int = 3  # prefill workers tried when one dies before it was sent the prompt
 
 
 class _Cancelled(Exception):
@@ -93,6 +98,8 @@ class PDRequest:
     dead: set[str] = field(default_factory=set)
     started: float = field(default_factory=time.monotonic)
     task: asyncio.Task | None = None
+    acquiring: asyncio.Future | None = None  # a replacement prefill ticket being acquired
+    prefill_attempts: int = 1
 
     @property
     def decode_worker(self) -> str:
@@ -139,6 +146,8 @@ class PDRouter:
         else:
             self.pool.forget(request_id)
             r.inbox.put_nowait(_CANCEL)
+            if r.acquiring is not None:
+                r.acquiring.cancel()
 
     def phase_counts(self) -> dict[str, int]:
         counts = dict.fromkeys(PHASES, 0)
@@ -171,7 +180,9 @@ class PDRouter:
                 r.phase = "prefilling"
                 msg = Prefill(rid, r.prompt_token_ids, r.sampling, r.deadline, d, res.page_ids,
                               res.num_cached_tokens, res.generation, res.seed, res.state_slot, r.priority)  # fmt: skip
-                self._send(r, p, msg)
+                while p in r.dead or not self.pool.send(p, msg):
+                    r.dead.add(p)
+                    p = await self._replace_prefill(r)
                 r.prefill_sent = True
                 done = await self._expect(r, PrefillDone, p, t.prefill)
                 r.prefill_done = True
@@ -204,6 +215,34 @@ class PDRouter:
             self.pool.set_pd_handler(rid, None)
             self.requests.pop(rid, None)
 
+    async def _replace_prefill(self, r: PDRequest) -> str:
+        """The prefill worker died before it was sent the prompt: nothing was computed or
+        written, so the prompt goes to another prefill worker (the decode reservation stays)."""
+        dead = r.prefill_worker
+        if r.prefill_attempts >= self.timeouts.prefill_attempts:
+            raise _Failed(f"worker {dead} (prefill) is not available ({r.prefill_attempts} prefill workers tried)")
+        self.admission.release(r.prefill)
+        fut = asyncio.ensure_future(self.admission.acquire(r.request_id, len(r.prompt_token_ids), r.priority, None,
+                                                           r.deadline - time.time(), "prefill"))  # fmt: skip
+        r.acquiring = fut
+        try:
+            await asyncio.wait({fut})
+        finally:
+            r.acquiring = None
+            if not fut.done():  # the router is stopping
+                fut.cancel()
+        if fut.cancelled():  # the client went away meanwhile
+            raise _Cancelled()
+        if fut.exception() is not None:
+            raise _Failed(f"worker {dead} (prefill) failed and no other prefill worker took the prompt: "
+                          f"{fut.exception()}")  # fmt: skip
+        r.prefill = fut.result()
+        r.prefill_attempts += 1
+        r.prefill_released = False  # it was about the dead worker; the new one holds nothing yet either
+        log.warning("PD request %s: prefill worker %s died before it was sent the prompt; retrying on %s",
+                    r.request_id, dead, r.prefill_worker)  # fmt: skip
+        return r.prefill_worker
+
     def _send(self, r: PDRequest, worker_id: str, msg: Any) -> None:
         if worker_id in r.dead or not self.pool.send(worker_id, msg):
             r.dead.add(worker_id)
@@ -227,8 +266,10 @@ class PDRouter:
                               f"within the phase deadline)") from None  # fmt: skip
             if item is _CANCEL:
                 raise _Cancelled()
-            if isinstance(item, _Dead):  # before decoding, either side's death ends the request
+            if isinstance(item, _Dead):  # before decoding, either side's death ends the request...
                 self._note_dead(r, item)
+                if item.worker_id == r.prefill_worker and not r.prefill_sent:
+                    continue  # ...except a prefill worker's before it got the prompt: another takes it
                 role = "decode" if item.worker_id == r.decode_worker else "prefill"
                 raise _Failed(f"worker {item.worker_id} ({role}) failed: {item.reason}")
             if isinstance(item, kind) and item.worker_id == worker_id:

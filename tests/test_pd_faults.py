@@ -3,9 +3,11 @@
 A 2 prefill + 2 decode server (ZMQ transport) takes a client that goes away in each phase of a
 handoff: queued for credits, reserving (decode worker frozen with SIGSTOP), prefilling (prefill
 workers frozen), transferring (decode frozen while the prefill worker's writes are in flight),
-decoding. A second, 1 + 1 server runs with injected faults (`workers.faults`): activations held
-back (received, not activated) and, for one prompt length, the final-state write never posted (the
-decode side must time out instead of waiting forever). Last, a prefill worker is killed with writes in flight and a
+decoding. A second, 2 + 1 server runs with injected faults (`workers.faults`): activations held
+back (received, not activated); for one prompt length the final-state write never posted (the
+decode side must time out instead of waiting forever); for another the prefill worker stalls past
+the decode side's reservation timeout (the reservation is freed once, the late writes refused as
+stale); and a prefill worker killed before it was sent its prompt (another one takes it). Last, a prefill worker is killed with writes in flight and a
 decode worker mid-stream: only their requests fail, with an error naming the worker, the others
 complete and new requests are served. After every scenario each surviving process is back to its
 initial counts (pages, slots, state slots, reservations, transfer handles, registrations, credits,
@@ -174,10 +176,14 @@ def test_abort_while_decoding(server: Server, model: str) -> None:
 # -- injected faults: received-not-activated, a write that never posts --------------------------------
 
 
+RESERVATION_S, HOLD_S = 4.0, 7.0
+
+
 @pytest.fixture(scope="module")
 def faulty(model: str) -> Iterator[Server]:
-    env = {"RLT_FAULT_INJECT": "skip_state_write=31,hold_activate=1.5"}
-    with launch(model, "--prefill", "1", "--decode", "1", *PD, *ENGINE, env=env, ready_timeout=120) as s:
+    env = {"RLT_FAULT_INJECT": f"skip_state_write=31,hold_activate=1.5,hold_prefill=33,hold_prefill_s={HOLD_S}"}
+    pd = ("--prefill", "2", "--decode", "1", "--kv-reservation-timeout", str(RESERVATION_S))
+    with launch(model, *pd, *PD, *ENGINE, env=env, ready_timeout=120) as s:
         yield s
 
 
@@ -197,6 +203,60 @@ def test_transfer_that_never_completes_times_out(faulty: Server, model: str) -> 
     key = 'rlt:kv_transfer_failures_total{reason="timeout",worker="d0"}'
     faulty.wait_for(lambda: faulty.metrics().get(key, 0) >= 1, 10, "the timeout counted")
     faulty.assert_idle()
+
+
+def test_reservation_never_activated_expires(faulty: Server, model: str) -> None:
+    """The prefill worker stalls (and ignores the router's abort): the decode side frees the
+    reservation at its own deadline, once; the stalled writer's late write is refused as stale."""
+    m0 = faulty.metrics()
+    stale, expired = (f'rlt:kv_transfer_failures_total{{reason="{r}",worker="d0"}}'
+                      for r in ("stale", "reservation_timeout"))  # fmt: skip
+    t0 = time.monotonic()
+    r = faulty.http.post("/v1/completions", json=_body(model, 33, 7))  # its prefill is held back HOLD_S
+    assert r.status_code == 504, r.text
+    msg = r.json()["error"]["message"]
+    assert "worker d0" in msg and "KV reservation timed out" in msg, msg
+    assert RESERVATION_S - 0.5 < time.monotonic() - t0 < HOLD_S, "expired at the reservation deadline"
+    faulty.wait_for(lambda: faulty.metrics().get(stale, 0) > m0.get(stale, 0), 30, "the late write refused")
+
+    def writer_told() -> bool:
+        return any(v for k, v in faulty.metrics().items()
+                   if k.startswith('rlt:kv_transfer_failures_total{reason="stale",worker="p'))  # fmt: skip
+
+    faulty.wait_for(writer_told, 10, "the stalled prefill worker heard its write was refused")
+    assert faulty.metrics()[expired] == m0.get(expired, 0) + 1  # freed exactly once
+    faulty.assert_idle()
+    r = faulty.http.post("/v1/completions", json=_body(model, 32, 7))  # the freed pages serve again
+    assert r.status_code == 200, r.text
+    faulty.assert_idle()
+
+
+def _prefill_holding(server: Server) -> list[str]:
+    m = server.metrics()
+    return [w for w in ("p0", "p1") if m.get(f'rlt:credits_reserved_slots{{worker="{w}"}}', 0) > 0]
+
+
+def test_prefill_worker_dead_before_it_got_the_prompt_is_retried(faulty: Server, model: str) -> None:
+    """Decode frozen: the request holds a prefill ticket but was not sent yet. Its prefill worker
+    dies; the other prefill worker computes the prompt, and the output is unchanged."""
+    body = _body(model, 26, 8, max_tokens=6, logprobs=1)
+    want = faulty.http.post("/v1/completions", json=body)
+    assert want.status_code == 200, want.text
+    results, threads = _post_all(faulty, [body])
+    with frozen(faulty, "d0"):
+        faulty.wait_for(lambda: _phase(faulty, "reserving") == 1 and _prefill_holding(faulty), 10, "reserving")
+        (victim,) = _prefill_holding(faulty)
+        os.kill(faulty.pid(victim), signal.SIGKILL)
+        faulty.wait_for(lambda: faulty.workers()[victim]["status"] == "dead", 10, f"{victim} reported dead")
+    threads[0].join(60)
+    code, got = results[0]
+    assert code == 200, got
+    retried = f"prefill worker {victim} died before it was sent the prompt; retrying on "
+    assert any(retried in line for line in faulty.log), "the request went through the retry"
+    assert got["choices"][0]["text"] == want.json()["choices"][0]["text"]
+    assert got["choices"][0]["logprobs"] == want.json()["choices"][0]["logprobs"]
+    assert faulty.metrics().get('rlt:pd_failures_total{phase="reserving"}', 0) == 0
+    faulty.assert_idle()  # the survivors' pools, the decode reservation, every credit
 
 
 # -- crashes ------------------------------------------------------------------------------------------

@@ -80,14 +80,15 @@ async def _settle() -> None:
         await asyncio.sleep(0)
 
 
-async def _setup(stop: float = 5.0):
+async def _setup(stop: float = 5.0, prefill_workers: tuple[str, ...] = ("p",)):
     pool = FakePool()
     adm = Admission()
     adm.add_worker("d", 4, 100, 4, "decode")
-    adm.add_worker("p", 4, 100, 4, "prefill")
+    for p in prefill_workers:
+        adm.add_worker(p, 4, 100, 4, "prefill")
     pd = PDRouter(pool, adm, PDTimeouts(reserve=5, prefill=5, transfer=5, activate=5, stop=stop))  # type: ignore[arg-type]
     dt = await adm.acquire("r", 20, role="decode")
-    pt = await adm.acquire("r", 8, role="prefill")
+    pt = await adm.acquire("r", 8, worker_id=prefill_workers[0], role="prefill")
     pd.start("r", [1] * 8, {"seed": 1}, deadline=1e12, priority=0, decode=dt, prefill=pt, sink=asyncio.Queue())
     await _settle()
     return pool, adm, pd
@@ -187,3 +188,63 @@ async def test_a_role_waiting_for_credits_does_not_block_the_other() -> None:
     blocked.cancel()
     with pytest.raises(asyncio.CancelledError):
         await blocked
+
+
+def _die(pool: FakePool, adm: Admission, wid: str) -> None:
+    adm.remove_worker(wid)  # what the real pool does before its death hooks
+    pool.mark_dead(wid, "killed")
+
+
+async def test_prefill_death_before_the_prompt_went_out_is_retried_elsewhere() -> None:
+    pool, adm, pd = await _setup(prefill_workers=("p", "p2"))
+    _die(pool, adm, "p")  # while reserving: nothing was computed or written
+    await _settle()
+    assert "r" not in pool.failed and pd.phase_counts()["reserving"] == 1
+    await _to_prefilling(pool)
+    await asyncio.sleep(0.02)  # the replacement ticket is acquired in a task of its own
+    wid, pre = pool.sent[-1]
+    assert wid == "p2" and isinstance(pre, Prefill) and (pre.page_ids, pre.generation) == ([3, 4], 7)
+    assert sorted(t.worker_id for t in adm.outstanding()) == ["d", "p2"]  # p's ticket came back, once
+    assert adm.workers["p"].reserved_slots == 0
+    pool.reply(PrefillDone("r", "p2", generation=7, chunks=[(0, 2)], num_writes=2))
+    await _settle()
+    pool.reply(Committed("r", "d", 7))
+    await _settle()
+    pool.reply(PrefillReleased("r", "p2"))
+    await _settle()
+    assert pool.kinds("d") == ["Reserve", "Activate"]  # one reservation, never aborted or redone
+    assert not pd.requests and [t.worker_id for t in adm.outstanding()] == ["d"]
+
+
+async def test_prefill_death_with_no_other_prefill_worker_fails_once() -> None:
+    pool, adm, pd = await _setup()
+    _die(pool, adm, "p")
+    await _to_prefilling(pool)
+    await asyncio.sleep(0.02)  # the replacement ticket is acquired in a task of its own
+    assert "worker p (prefill) failed" in pool.failed["r"] and "no other prefill worker" in pool.failed["r"]
+    assert pool.kinds("d") == ["Reserve", "Abort"] and pool.kinds("p") == []
+    assert not pd.requests and [t.worker_id for t in adm.outstanding()] == ["d"]
+
+
+async def test_cancel_while_waiting_for_a_replacement_prefill_ticket() -> None:
+    pool, adm, pd = await _setup(prefill_workers=("p", "p2"))
+    blocker = await adm.acquire("other", 400, worker_id="p2", role="prefill")  # p2 is full: the retry waits
+    _die(pool, adm, "p")
+    await _to_prefilling(pool)
+    await asyncio.sleep(0.02)  # the replacement ticket is acquired in a task of its own
+    assert adm.queue_length == 1 and "r" not in pool.failed
+    pd.cancel("r")
+    await _settle()
+    assert adm.queue_length == 0 and pool.kinds("d") == ["Reserve", "Abort"] and not pd.requests
+    assert [t.worker_id for t in adm.outstanding()] == ["d", "p2"] and blocker in adm.outstanding()
+
+
+async def test_prefill_death_after_the_prompt_went_out_fails() -> None:
+    pool, adm, pd = await _setup(prefill_workers=("p", "p2"))
+    await _to_prefilling(pool)
+    await asyncio.sleep(0.02)  # the replacement ticket is acquired in a task of its own
+    _die(pool, adm, "p")  # it may have written: the request fails, the decode side frees once
+    await _settle()
+    assert "worker p (prefill) failed: killed" in pool.failed["r"]
+    assert pool.kinds("d") == ["Reserve", "Abort"] and pool.kinds("p2") == []
+    assert not pd.requests

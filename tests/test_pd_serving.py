@@ -2,12 +2,12 @@
 
 For each family (Ouro, Nanbeige4.2, Huginn; tiny random checkpoints) a batch of 64 mixed requests
 (shared prefixes, greedy and seeded sampling, some stopping at EOS) runs on a single `both` worker,
-then on 1 prefill + 1 decode worker (ZMQ transport) with prefix caching on and off, then on
-2 + 2: a second prefill and a second decode worker join the running router with
+then on 1 prefill + 1 decode worker over NIXL (UCX on host memory, loopback) with prefix caching
+on and off, then on 2 + 2: a second prefill and a second decode worker join the running router with
 `rlt-serve worker --router tcp://...`, as pods of a deployment would. Text, finish reasons and
 logprobs must be equal, the joined workers must have served part of the batch, and afterwards every
-credit, page, state slot, reservation and transfer handle is back. Ouro also runs 1 + 1 over NIXL
-(UCX on host memory, loopback).
+credit, page, state slot, reservation and transfer handle is back. Ouro also runs 1 + 1 over the
+ZMQ transport.
 """
 
 from __future__ import annotations
@@ -48,7 +48,7 @@ def _stop(procs: list[subprocess.Popen]) -> None:
 
 def _check_incompatible_worker_refused(s, model: str) -> None:
     """A worker whose KV layout cannot match its peers' (another page size) is refused, saying why."""
-    w = join_worker(model, "decode", s.worker_endpoint, "d-odd", "--kv-transport", "zmq", "--page-size", "8",
+    w = join_worker(model, "decode", s.worker_endpoint, "d-odd", "--kv-transport", "nixl", "--page-size", "8",
                     stderr=subprocess.PIPE)  # fmt: skip
     _, err = w.communicate(timeout=120)
     assert w.returncode == 0 and "refused it" in err.decode() and "KV layout" in err.decode(), err[-2000:]
@@ -62,19 +62,22 @@ def test_pd_equals_both_worker(root, family: str) -> None:
     reqs = workload(N_REQUESTS, vocab_of(model), seed=len(family))
     want = _both(model, reqs)
     for caching in ("--enable-prefix-caching", "--no-enable-prefix-caching"):
-        pd = ("--prefill", "1", "--decode", "1", "--kv-transport", "zmq", "--worker-port", "0")
+        pd = ("--prefill", "1", "--decode", "1", "--kv-transport", "nixl", "--worker-port", "0")
         with launch(model, *pd, *ENGINE, caching) as s:
-            assert_same(run_workload(s, reqs), want, f"{family} 1P1D {caching}")
+            assert_same(run_workload(s, reqs), want, f"{family} 1P1D nixl {caching}")
+            m = s.metrics()
+            assert m['rlt:kv_transfer_bytes_total{direction="sent",worker="p0"}'] > 0
+            assert m.get('rlt:kv_transfer_failures_total{reason="stale",worker="d0"}', 0) == 0
             s.assert_idle()
             assert s.worker_endpoint and s.worker_endpoint.startswith("tcp://127.0.0.1:")
-            joined = [join_worker(model, role, s.worker_endpoint, f"{role}-joined", "--kv-transport", "zmq", caching)
+            joined = [join_worker(model, role, s.worker_endpoint, f"{role}-joined", "--kv-transport", "nixl", caching)
                       for role in ("prefill", "decode")]  # fmt: skip
             try:
                 ids = ("prefill-joined", "decode-joined")
                 s.wait_for(lambda: all(s.workers().get(w, {}).get("status") == "ready" for w in ids), 120,
                            "joined workers warmed up")  # fmt: skip
                 assert all(s.workers()[w].get("joined") for w in ids)
-                assert_same(run_workload(s, reqs), want, f"{family} 2P2D {caching}")
+                assert_same(run_workload(s, reqs), want, f"{family} 2P2D nixl {caching}")
                 # Every worker served part of the batch (workers report metrics once a second).
                 keys = [f'rlt:prompt_tokens_total{{worker="{w}"}}' for w in ("p0", "prefill-joined")]
                 keys += [f'rlt:{n}{{{lab}worker="{w}"}}' for w in ("d0", "decode-joined")
@@ -91,9 +94,7 @@ def test_pd_equals_both_worker(root, family: str) -> None:
             if family == "ouro" and caching == "--enable-prefix-caching":
                 _check_incompatible_worker_refused(s, model)
     if family == "ouro":
-        with launch(model, "--prefill", "1", "--decode", "1", "--kv-transport", "nixl", *ENGINE) as s:
-            assert_same(run_workload(s, reqs), want, "ouro 1P1D nixl")
-            m = s.metrics()
-            assert m['rlt:kv_transfer_bytes_total{direction="sent",worker="p0"}'] > 0
-            assert m['rlt:kv_transfer_failures_total{reason="stale",worker="d0"}'] == 0
+        with launch(model, "--prefill", "1", "--decode", "1", "--kv-transport", "zmq", *ENGINE) as s:
+            assert_same(run_workload(s, reqs), want, "ouro 1P1D zmq")
+            assert s.metrics()['rlt:kv_transfer_bytes_total{direction="sent",worker="p0"}'] > 0
             s.assert_idle()

@@ -10,9 +10,14 @@ the activation deadline), `Committed` goes to the router, and from the next step
 stream out as Deltas exactly as from a `both` worker (the first one sampled here, with the
 request's own generator).
 
-A reservation is aborted only by the router (`Abort`), which first makes the prefill worker stop
+A reservation is aborted by the router (`Abort`), which first makes the prefill worker stop
 writing into it: one-sided writes cannot be refused once posted, so the pages must not be reused
-before the writer stopped.
+before the writer stopped. Only if the router never does (it lost track, or the writer stalls
+past every bound the router has) does the reservation's own deadline free it: a reservation not
+activated within `reservation_timeout` seconds is failed once, its generation retired, so a late
+write's notification (and, over ZMQ, the write itself) is refused as stale. The default lies past
+the router's own bounds (request timeout plus teardown), so in normal operation the router always
+acts first and the expiry only catches what would otherwise leak.
 """
 
 from __future__ import annotations
@@ -34,16 +39,22 @@ class _Receiving:
     activate: Activate | None = None
     not_before: float = 0.0  # monotonic; fault injection only
     started: float = field(default_factory=time.monotonic)
+    expires: float = float("inf")  # monotonic: the reservation's own deadline until Activate
+
+
+RESERVATION_TIMEOUT_S = 660.0  # the router's default request timeout (600 s) plus its teardown bounds
 
 
 class DecodeRole:
-    def __init__(self, worker_id: str, engine: Any, agent: Any, send, metrics, tracker) -> None:
+    def __init__(self, worker_id: str, engine: Any, agent: Any, send, metrics, tracker,
+                 reservation_timeout: float = RESERVATION_TIMEOUT_S) -> None:  # fmt: skip
         self.worker_id = worker_id
         self.engine = engine
         self.agent = agent
         self.send = send
         self.metrics = metrics
         self.tracker = tracker
+        self.reservation_timeout = reservation_timeout
         self.peers: set[str] = set()
         self.receiving: dict[str, _Receiving] = {}
         self.needs_step = False  # an aborted reservation's final output comes from the next step
@@ -80,7 +91,8 @@ class DecodeRole:
             return
         # The router enforces the deadline until activation (it must stop the writer first).
         self.tracker.add(rid, 0.0, False)
-        self.receiving[rid] = _Receiving(res.generation, msg.deadline)
+        self.receiving[rid] = _Receiving(res.generation, msg.deadline,
+                                         expires=time.monotonic() + self.reservation_timeout)  # fmt: skip
         self.send(Reserved(rid, self.worker_id, res.generation, res.page_ids, res.num_cached_tokens, res.seed,
                            res.state_slot))  # fmt: skip
 
@@ -128,9 +140,14 @@ class DecodeRole:
                 self.metrics.count_received(0)
         for _ in range(self.agent.num_refused - before):
             self.metrics.count_transfer_failure("stale")
-        now = time.time()
+        now, mono = time.time(), time.monotonic()
         for rid, rec in list(self.receiving.items()):
             act = rec.activate
+            if act is None and mono > rec.expires:
+                self.metrics.count_transfer_failure("reservation_timeout")
+                self._fail(rid, f"KV reservation timed out: not activated within {self.reservation_timeout:g}s "
+                                "(kv_reservation_timeout)")  # fmt: skip
+                continue
             if act is None or time.monotonic() < rec.not_before:
                 continue
             if len(rec.writes) >= act.num_writes:

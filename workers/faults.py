@@ -8,6 +8,10 @@ failure, and is read once at start-up; with the variable unset every check is a 
     RLT_FAULT_INJECT="skip_state_write=N"    prefill: for prompts of exactly N tokens, never post the
                                               final-state write (but count it), like a lost write
     RLT_FAULT_INJECT="hold_activate=SECONDS" decode: process an Activate only SECONDS after it came
+    RLT_FAULT_INJECT="hold_prefill=N,hold_prefill_s=SECONDS"
+                                              prefill: for prompts of exactly N tokens, start a Prefill
+                                              only SECONDS after it came, even if its Abort came first
+                                              (a stalled writer the router lost track of)
 """
 
 from __future__ import annotations

@@ -32,6 +32,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-transport", default="nixl", choices=["nixl", "zmq"])
     p.add_argument("--kv-transfer-timeout", type=float, default=30.0)
     p.add_argument("--kv-transfer-budget-bytes", type=int, default=256 << 20)
+    p.add_argument("--kv-reservation-timeout", type=float, default=None,
+                   help="decode: seconds a reservation may wait for activation (default 660; keep it past the "
+                        "router's request timeout)")  # fmt: skip
     p.add_argument("--drain-timeout", type=float, default=30.0)
     add_engine_arguments(p)
 
@@ -53,4 +56,6 @@ def run(args: argparse.Namespace) -> int:
     ]  # fmt: skip
     if args.advertise_host:
         argv += ["--advertise-host", args.advertise_host]
+    if args.kv_reservation_timeout is not None:
+        argv += ["--kv-reservation-timeout", str(args.kv_reservation_timeout)]
     return worker.main(argv)

@@ -62,6 +62,7 @@ class PrefillRole:
         self.peers: dict[str, KVLayout] = {}  # decode worker -> its KV layout
         self.jobs: dict[str, _Job] = {}
         self.in_flight_bytes = 0
+        self.held: list[tuple[float, Prefill]] = []  # (start at, monotonic): fault injection only
 
     # -- messages ---------------------------------------------------------------------------
     def on_peers(self, table: PeerTable) -> None:
@@ -74,9 +75,12 @@ class PrefillRole:
                 self.agent.add_peer(p.worker_id, p.metadata)
                 self.peers[p.worker_id] = KVLayout(**p.layout)
 
-    def on_prefill(self, msg: Prefill) -> None:
+    def on_prefill(self, msg: Prefill, held: bool = False) -> None:
         from rlt_serve.sampling_params import SamplingParams
 
+        if not held and fault("hold_prefill") == len(msg.prompt_token_ids):  # a stalled writer (tests)
+            self.held.append((time.monotonic() + (fault("hold_prefill_s") or 0.0), msg))
+            return
         rid = msg.request_id
         try:
             if msg.decode_worker not in self.peers:
@@ -131,6 +135,9 @@ class PrefillRole:
     def pump(self) -> None:
         """Post what the budget allows, reap completed writes, finish requests."""
         now = time.monotonic()
+        for item in [h for h in self.held if h[0] <= now]:
+            self.held.remove(item)
+            self.on_prefill(item[1], held=True)
         for _peer, data in self.agent.notifications():
             n = decode_notif(data)
             job = self.jobs.get(n.request_id) if n is not None else None
@@ -234,5 +241,5 @@ class PrefillRole:
             self.send(PrefillDone(rid, self.worker_id, job.msg.generation, error=job.stopping))
 
     def counts(self) -> int:
-        return len(self.jobs)
+        return len(self.jobs) + len(self.held)
 

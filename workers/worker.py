@@ -75,6 +75,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="prefill: KV bytes in flight at once (at least one write always proceeds)")  # fmt: skip
     p.add_argument("--kv-transfer-timeout", type=float, default=30.0,
                    help="seconds one KV write may take before its request fails")  # fmt: skip
+    p.add_argument("--kv-reservation-timeout", type=float, default=None,
+                   help="decode: seconds a reservation may wait for its activation before it is freed (default "
+                        "660: past the router's default request timeout and teardown)")  # fmt: skip
     p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
     p.add_argument("--dtype", default="auto")
     p.add_argument("--engine-args", default="{}", help="JSON object of EngineConfig fields")
@@ -401,9 +404,11 @@ def _attach_role(worker: Worker, args: argparse.Namespace, agent: Any) -> None:
                                   args.kv_transfer_budget_bytes, args.kv_transfer_timeout,
                                   KVLayout(**_layout(worker.engine)))  # fmt: skip
     else:
-        from workers.decode import DecodeRole
+        from workers.decode import RESERVATION_TIMEOUT_S, DecodeRole
 
-        worker.role = DecodeRole(worker.worker_id, worker.engine, agent, worker.send, worker.metrics, worker.tracker)
+        timeout = RESERVATION_TIMEOUT_S if args.kv_reservation_timeout is None else args.kv_reservation_timeout
+        worker.role = DecodeRole(worker.worker_id, worker.engine, agent, worker.send, worker.metrics, worker.tracker,
+                                 timeout)  # fmt: skip
         agent.accept = worker.role.accept
 
 
