@@ -202,21 +202,32 @@ def main() -> int:
         p.error("--num-prompts needs one value, or one per --concurrency")
     rng = random.Random(args.seed)
     prompts = [[rng.randrange(10, vocab) for _ in range(args.input_len)] for _ in range(max(counts))]
-    results = {}
+    results: dict[str, dict] = {}
+    failed = False
     for name in args.setups.split(","):
         extra = shlex.split(args.launch_args) + shlex.split(args.both_args if name == "both" else args.pd_args)
         print(f"== {name}: rlt-serve launch {' '.join(extra)}", file=sys.stderr, flush=True)
         t0 = time.perf_counter()
-        proc, base = _launch(args.model, extra, args.load_timeout)
+        try:  # one setup failing still leaves the other's numbers (a device run is precious)
+            proc, base = _launch(args.model, extra, args.load_timeout)
+        except RuntimeError as e:
+            print(f"== {name}: FAILED: {e}", file=sys.stderr, flush=True)
+            failed = True
+            continue
         print(f"== {name}: healthy after {time.perf_counter() - t0:.1f}s", file=sys.stderr, flush=True)
         try:
             _run(base, prompts[: args.warmup], args.output_len, max(concurrencies))
             for c, n in zip(concurrencies, counts):
                 results[f"{name} c={c}"] = _run(base, prompts[:n], args.output_len, c)
                 print(f"== {name} c={c}: {json.dumps(results[f'{name} c={c}'])}", file=sys.stderr, flush=True)
+        except (RuntimeError, OSError) as e:
+            print(f"== {name}: FAILED: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
+            failed = True
         finally:
             _stop(proc)
-    keys = sorted({k for r in results.values() for k in r})
+    first = ["ttft_p50_ms", "ttft_p90_ms", "itl_p50_ms", "itl_p90_ms", "output_tok_s", "handoff_ms_mean"]
+    seen = {k for r in results.values() for k in r}
+    keys = [k for k in first if k in seen] + sorted(seen - set(first))
     print("| metric | " + " | ".join(results) + " |")
     print("|---|" + "---|" * len(results))
     for k in keys:
@@ -224,7 +235,7 @@ def main() -> int:
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"args": vars(args), "results": results}, f, indent=2)
-    return 0
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":
