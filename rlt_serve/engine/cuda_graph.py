@@ -154,7 +154,9 @@ class DecodeGraphs:
         positions = [span.start for _, span in rows]
         tables = [seq.page_table for seq, _ in rows]
         ids = [(seq.output_token_ids or seq.prompt_token_ids)[-1] for seq, _ in rows]
-        host[off["ids"] : off["ids"] + n] = ids
+        # Padding rows too: a stale entry may be an earlier step's placeholder (-1), replaced only
+        # on the device, and the graph embeds every row of its batch size.
+        host[off["ids"] : off["ids"] + b] = ids + [0] * (b - n)
         # Async scheduling: a token still on the device comes from the previous step's draws (src).
         pending = self.runner.pending
         srcs = [pending.source(seq, span.start) for seq, span in rows] if pending is not None else []
