@@ -139,6 +139,46 @@ def test_one_loop_rows_through_static_buffers(tmp_checkpoint, mode):
         assert max(abs(a - b) for a, b in zip(got[rid][1], logprobs)) < 1e-5
 
 
+def _graph_decode(path: str, graphs: bool, async_scheduling: bool) -> tuple[dict, object]:
+    """Requests arriving and finishing at different steps, so decode batches shrink and pad."""
+    from rlt_serve.engine.cuda_graph import DecodeGraphs
+
+    engine = LLMEngine(path, dtype="float32", device="cpu", skip_tokenizer_init=True, attention_backend="triton",
+                       page_size=4, max_num_seqs=4, cuda_graph_sizes=[1, 2, 4],
+                       async_scheduling=async_scheduling)  # fmt: skip
+    if graphs:
+        engine.runner.graphs = DecodeGraphs(engine.runner, engine.model_config.num_loops, capture=False)
+    rng = random.Random(5)
+    # Four decode together, then one finishes at a time: batches of 3, 2, 1 pad a graph whose
+    # last rows held placeholders of earlier steps; a fifth arrives later and joins.
+    reqs = [(0, 6), (0, 3), (0, 5), (0, 4), (4, 3)]
+    done, step = {}, 0
+    while step <= 4 or engine.has_unfinished_requests():
+        for i, (arrive, n) in enumerate(reqs):
+            if arrive == step:
+                prompt = [rng.randrange(3, 384) for _ in range(rng.randint(2, 7))]
+                engine.add_request(str(i), prompt, SamplingParams(temperature=0, max_tokens=n, ignore_eos=True,
+                                                                  logprobs=1))  # fmt: skip
+        done.update({o.request_id: o.outputs[0] for o in engine.step() if o.finished})
+        step += 1
+    assert engine.num_free_pages == engine.num_pages
+    out = {r: (c.token_ids, [lp[t].logprob for t, lp in zip(c.token_ids, c.logprobs)]) for r, c in done.items()}
+    return out, engine.stats()
+
+
+def test_decode_graph_buffers_with_async_scheduling(tmp_checkpoint):
+    """DecodeGraphs' static buffers (uncaptured), fed from the previous step's device tokens,
+    give the eager synchronous tokens. Padding rows must never embed a stale placeholder."""
+    path = tmp_checkpoint("ouro", seed=6, num_attention_heads=4, num_key_value_heads=2, head_dim=16)
+    want, _ = _graph_decode(path, False, False)
+    got, st = _graph_decode(path, True, True)
+    assert st.num_cuda_graph_replays > 0
+    assert got.keys() == want.keys()
+    for rid, (tokens, logprobs) in want.items():
+        assert got[rid][0] == tokens, rid
+        assert max(abs(a - b) for a, b in zip(got[rid][1], logprobs)) < 1e-5
+
+
 # -- fused elementwise ops of the decoder layer ---------------------------------------------------
 def test_fused_ops_match_torch():
     from types import SimpleNamespace

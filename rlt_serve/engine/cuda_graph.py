@@ -57,9 +57,10 @@ def default_sizes(max_num_seqs: int) -> list[int]:
 
 
 class DecodeGraphs:
-    """Captured decode steps of `num_loops` loops, one graph per batch size."""
+    """Captured decode steps of `num_loops` loops, one graph per batch size. `capture=False` runs
+    the same buffered step eagerly (the CPU tests check the buffers with Triton's interpreter)."""
 
-    def __init__(self, runner: "ModelRunner", num_loops: int) -> None:
+    def __init__(self, runner: "ModelRunner", num_loops: int, capture: bool = True) -> None:
         ec, mc = runner.engine_config, runner.model_config
         self.runner = runner
         self.num_loops = num_loops
@@ -75,7 +76,8 @@ class DecodeGraphs:
         for name, n in fields.items():
             self.off[name] = total
             total += n
-        self.host = torch.zeros(total, dtype=torch.int32, pin_memory=True)
+        cuda = runner.device.type == "cuda"
+        self.host = torch.zeros(total, dtype=torch.int32, pin_memory=cuda)
         self.np = self.host.numpy()
         self._rows_np = self._host_view("rows", d * b_max * 4).reshape(d, b_max, 4)
         self._table_np = self._host_view("table", b_max * self.width).reshape(b_max, self.width)
@@ -85,19 +87,23 @@ class DecodeGraphs:
         for t in range(d):
             self._rows_np[t, :, 3] = runner.depth_slot(t)
             self._host_view("depth", d * b_max).reshape(d, b_max)[t] = runner.depth_slot(t)
-        self.dev = self.host.to(runner.device)
+        self.dev = self.host.to(runner.device) if cuda else self.host.clone()  # never aliased, as on a GPU
         # Huginn draws each token's initial state on the host: the graph reads it from here.
         self.seeded_state = type(runner.model).initial_state is not LoopedModel.initial_state
         self.state = torch.zeros(b_max, mc.hidden_size, dtype=runner.dtype, device=runner.device)
-        self._copied = torch.cuda.Event()
-        self._copied.record()
+        self._copied = torch.cuda.Event() if cuda else None
+        if self._copied is not None:
+            self._copied.record()
+        self.capture = capture
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
-        self.pool = torch.cuda.graph_pool_handle()
-        t0 = time.perf_counter()
-        with torch.inference_mode():
-            for b in reversed(self.sizes):  # largest first: smaller graphs reuse its pool memory
-                self._capture(b)
-        self.capture_seconds = time.perf_counter() - t0
+        self.capture_seconds = 0.0
+        if capture:
+            self.pool = torch.cuda.graph_pool_handle()
+            t0 = time.perf_counter()
+            with torch.inference_mode():
+                for b in reversed(self.sizes):  # largest first: smaller graphs reuse its pool memory
+                    self._capture(b)
+            self.capture_seconds = time.perf_counter() - t0
 
     def _host_view(self, name: str, n: int) -> np.ndarray:
         return self.np[self.off[name] : self.off[name] + n]
@@ -150,7 +156,8 @@ class DecodeGraphs:
             return None
         b = next(s for s in self.sizes if s >= n)
         ps, off, host = self.runner.kv.page_size, self.off, self.np
-        self._copied.synchronize()  # the previous step's copy has left the host buffer
+        if self._copied is not None:
+            self._copied.synchronize()  # the previous step's copy has left the host buffer
         positions = [span.start for _, span in rows]
         tables = [seq.page_table for seq, _ in rows]
         ids = [(seq.output_token_ids or seq.prompt_token_ids)[-1] for seq, _ in rows]
@@ -173,7 +180,8 @@ class DecodeGraphs:
         for i, pt in enumerate(tables):
             self._table_np[i, : len(pt)] = pt
         self.dev.copy_(self.host, non_blocking=True)
-        self._copied.record()
+        if self._copied is not None:
+            self._copied.record()
         if num_pending:  # the graph reads ids from its static buffer: fill it on the device
             dev_ids, src = self._dev_view("ids", n), self._dev_view("src", n)
             dev_ids.copy_(torch.where(src >= 0, pending.tokens32.index_select(0, src.clamp(min=0)), dev_ids))
@@ -184,6 +192,8 @@ class DecodeGraphs:
             state = self.runner.model.initial_state(PreludeOutput(self.state[:n]), seeds, torch.tensor(positions))
             if state.data_ptr() != self.state.data_ptr():
                 self.state[:n].copy_(state)
+        if not self.capture:
+            return self._forward(b)[:n]
         graph, out = self.graphs[b]
         graph.replay()
         return out[:n]

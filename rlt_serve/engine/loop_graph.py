@@ -51,7 +51,7 @@ class LoopGraphs:
         pin = runner.device.type == "cuda"
         self.host = torch.zeros(total, dtype=torch.int32, pin_memory=pin)
         self.np = self.host.numpy()
-        self.dev = self.host.to(runner.device)
+        self.dev = self.host.to(runner.device) if pin else self.host.clone()  # never aliased, as on a GPU
         dt, dev = runner.dtype, runner.device
         self.hidden = torch.zeros(t_max, mc.hidden_size, dtype=dt, device=dev)
         self.injected = torch.zeros(t_max, mc.hidden_size, dtype=dt, device=dev) if runner.model.injects_prelude else None
