@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from rlt_serve.engine.sequence import PLACEHOLDER_TOKEN, Sequence, SequenceStatus
+from rlt_serve.host_copy import to_device
 from rlt_serve.outputs import RequestOutput
 
 if TYPE_CHECKING:
@@ -60,7 +61,7 @@ class PendingTokens:
             raise AssertionError("a placeholder token reached the prelude without a device source")
         if dst:
             dev = ids_dev.device
-            ids_dev[torch.tensor(dst, device=dev)] = self.tokens[torch.tensor(src, device=dev)].to(ids_dev.dtype)
+            ids_dev[to_device(dst, torch.long, dev)] = self.tokens[to_device(src, torch.long, dev)].to(ids_dev.dtype)
         return ids_dev
 
 

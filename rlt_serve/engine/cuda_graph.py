@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import math
 import time
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Callable, TypeVar
 
 import numpy as np
 import torch
@@ -30,6 +30,8 @@ from rlt_serve.attention.backend import AttentionMetadata
 from rlt_serve.engine.sequence import PLACEHOLDER_TOKEN
 from rlt_serve.models.base import LoopedModel
 from rlt_serve.models.layers import CoreContext
+
+T = TypeVar("T")
 
 if TYPE_CHECKING:
     from rlt_serve.engine.model_runner import ModelRunner
@@ -48,6 +50,20 @@ def graph_support(runner: "ModelRunner") -> str | None:
     if runner.backend.name != "triton":
         return f"attention backend {runner.backend.name!r} builds per-call metadata on the host (graphs need triton)"
     return None
+
+
+def capture(forward: Callable[[], T], pool: tuple) -> tuple[torch.cuda.CUDAGraph, T]:
+    """Record `forward` as a graph in `pool`, after one run on a side stream that compiles the
+    kernels and warms cuBLAS outside it; returns the graph and its (static) outputs."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        forward()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, pool=pool):
+        out = forward()
+    return graph, out
 
 
 def default_sizes(max_num_seqs: int) -> list[int]:
@@ -139,15 +155,7 @@ class DecodeGraphs:
         return model.compute_logits(coded)
 
     def _capture(self, b: int) -> None:
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):  # compile the kernels and warm cuBLAS outside the graph
-            self._forward(b)
-        torch.cuda.current_stream().wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool):
-            out = self._forward(b)
-        self.graphs[b] = (graph, out)
+        self.graphs[b] = capture(lambda: self._forward(b), self.pool)
 
     def run(self, rows: list["Row"], num_loops: int) -> torch.Tensor | None:
         """Logits [len(rows), V] of one decode step, or None when no graph fits the batch."""

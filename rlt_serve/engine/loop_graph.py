@@ -21,7 +21,7 @@ import numpy as np
 import torch
 
 from rlt_serve.attention.backend import AttentionMetadata
-from rlt_serve.engine.cuda_graph import default_sizes
+from rlt_serve.engine.cuda_graph import capture, default_sizes
 from rlt_serve.models.base import CoreOutput
 from rlt_serve.models.layers import CoreContext
 
@@ -104,16 +104,8 @@ class LoopGraphs:
         return runner.model.core(self.hidden[:t], injected, pos, CoreContext(runner.backend, runner.kv, meta))
 
     def _capture(self, b: int, q: int) -> None:
-        self._tiles_for(b, q)
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):  # compile the kernels and warm cuBLAS outside the graph
-            self._forward(b, q)
-        torch.cuda.current_stream().wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool):
-            out = self._forward(b, q)
-        self.graphs[(b, q)] = (graph, out)
+        self._tiles_for(b, q)  # built outside the graph: a host-to-device copy cannot be captured
+        self.graphs[(b, q)] = capture(lambda: self._forward(b, q), self.pool)
 
     def run(self, rows: list["Row"], hidden: torch.Tensor, injected: torch.Tensor | None,
             write_mask: torch.Tensor | None) -> CoreOutput | None:  # fmt: skip

@@ -9,7 +9,7 @@ only where a row leaves the core and a distribution is needed: the last position
 from __future__ import annotations
 
 import itertools
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 
 import torch
 
@@ -52,22 +52,14 @@ class RunnerOutput:
     num_loop_graph_replays: int = 0  # one-loop core calls replayed as a graph (LoopGraphs)
 
     def merge(self, other: "RunnerOutput") -> None:
-        """Append `other` (rows disjoint from this output's) to this output."""
+        """Append `other` (rows disjoint from this output's) to this output: lists extend,
+        counters add, and sampled rows' logits stack."""
         if other.sample_seqs:
             logits = other.sample_logits
             self.sample_logits = logits if self.sample_logits is None else torch.cat([self.sample_logits, logits])
-            self.sample_seqs += other.sample_seqs
-        self.prompt_logits += other.prompt_logits
-        self.exit_depths += other.exit_depths
-        self.sample_depths += other.sample_depths
-        self.draft_logits += other.draft_logits
-        self.verify_logits += other.verify_logits
-        self.final_states += other.final_states
-        self.num_core_calls += other.num_core_calls
-        self.num_core_tokens += other.num_core_tokens
-        self.num_fused_decode += other.num_fused_decode
-        self.num_graph_replays += other.num_graph_replays
-        self.num_loop_graph_replays += other.num_loop_graph_replays
+        for f in fields(self):
+            if f.name != "sample_logits":
+                setattr(self, f.name, getattr(self, f.name) + getattr(other, f.name))
 
 
 class ModelRunner:
@@ -137,12 +129,14 @@ class ModelRunner:
         """The KV slot a core row at `depth` reads and writes under the engine's layout."""
         return depth % self.ring if self.ring else depth
 
-    def _context(self, rows: list[Row], core: bool) -> CoreContext:
+    def _context(self, rows: list[Row], core: bool, write_mask: torch.Tensor | None = None) -> CoreContext:
+        """KV metadata of a call; a core call's write mask is `_write_mask(rows)` unless given."""
         specs = [
             RowSpec(span.num_tokens, span.start, self.depth_slot(span.depth) if core else 0, seq.page_table)
             for seq, span in rows
         ]
-        write_mask = self._write_mask(rows) if core else None
+        if core and write_mask is None:
+            write_mask = self._write_mask(rows)
         return CoreContext(self.backend, self.kv, self.backend.prepare(specs, self.kv, write_mask))
 
     def _write_mask(self, rows: list[Row]) -> torch.Tensor | None:
@@ -241,10 +235,12 @@ class ModelRunner:
             self._prelude(starting)
         hidden = torch.cat([span.hidden for _, span in rows])
         injected = torch.cat([span.injected for _, span in rows]) if rows[0][1].injected is not None else None
-        core = self.loop_graphs.run(rows, hidden, injected, self._write_mask(rows)) if self.loop_graphs else None
+        write_mask = self._write_mask(rows)
+        core = self.loop_graphs.run(rows, hidden, injected, write_mask) if self.loop_graphs else None
         graphed = core is not None
         if core is None:
-            core = model.core(hidden, injected, self._positions(rows, dev), self._context(rows, core=True))
+            ctx = self._context(rows, core=True, write_mask=write_mask)
+            core = model.core(hidden, injected, self._positions(rows, dev), ctx)
         gates = self._split(rows, core.gate_logits) if core.gate_logits is not None else [None] * len(rows)
         fills: list[tuple[Sequence, Span, torch.Tensor]] = []  # tokens that left the core now
         adaptive: list[Span] = []

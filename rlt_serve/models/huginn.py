@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from rlt_serve.config import ModelConfig
+from rlt_serve.host_copy import to_device
 from rlt_serve.models.base import CoreOutput, LoopedModel, PreludeOutput
 from rlt_serve.models.layers import CoreContext, RMSNorm
 
@@ -152,10 +153,7 @@ class HuginnForCausalLM(LoopedModel):
         for i, (seed, pos) in enumerate(zip(seeds, positions.tolist())):
             gen = torch.Generator().manual_seed(noise_seed(seed, pos))
             nn.init.trunc_normal_(rows[i], 0.0, std, -3 * std, 3 * std, generator=gen)
-        rows = (rows * cfg.embed_scale).to(pre.hidden.dtype)
-        if pre.hidden.device.type == "cuda":  # pinned + non-blocking: no host wait in a decode step
-            return rows.pin_memory().to(pre.hidden.device, non_blocking=True)
-        return rows.to(pre.hidden.device)
+        return to_device(rows * cfg.embed_scale, pre.hidden.dtype, pre.hidden.device)  # no host wait
 
     def prepare_sequence(self, seq: Any) -> None:
         if self.config.init_scale > 0:  # prefix pages hold K/V of this request's own random states
