@@ -108,24 +108,26 @@ class SpecController:
         return 0, 1
 
     def _best(self, b: int, plain: float, rate: Callable[[int], float]) -> tuple[float, int, int]:
-        return max(((self._speedup(b, plain, k, d, rate(d)), k, d) for k in self._ks() for d in self.depths),
+        draft = self._step_cost("draft", b, 0, plain)
+        return max(((self._speedup(b, plain, draft, k, d, rate(d)), k, d) for k in self._ks() for d in self.depths),
                    default=(0.0, 0, 1))  # fmt: skip
 
     def _optimistic_rate(self, depth: int) -> float:
         return min(1.0, self.accept_rate(depth) + self._tested[depth] ** -0.5)
 
-    def expected_tokens(self, k: int, depth: int, accept: float | None = None) -> float:
-        a = min(self.accept_rate(depth) if accept is None else accept, 0.999)
+    @staticmethod
+    def expected_tokens(k: int, accept: float) -> float:
+        """Tokens a round of k drafts commits when each is kept with probability `accept`."""
+        a = min(accept, 0.999)
         return (1 - a**k) / (1 - a)
 
     def _ks(self) -> list[int]:
         return draft_lengths(self.max_k, True)
 
-    def _speedup(self, b: int, plain: float, k: int, depth: int, accept: float | None = None) -> float:
-        draft = self._step_cost("draft", b, 0, plain)
+    def _speedup(self, b: int, plain: float, draft: float, k: int, depth: int, accept: float) -> float:
         verify = self._step_cost("verify", b, k, draft)
         rnd = k * depth * draft + (self.num_loops - depth) * verify
-        return self.expected_tokens(k, depth, accept) * plain / rnd
+        return self.expected_tokens(k, accept) * plain / rnd
 
     def _plain_token_cost(self, b: int) -> float | None:
         c = self._cost.get(("plain", b, 0))
