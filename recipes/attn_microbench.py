@@ -4,6 +4,7 @@ Times one layer's attention call per backend for the three shapes that matter (d
 concurrency 1 and 64 with ~576 tokens of context, and a 8192-token prefill of 16 prompts),
 and the KV write alone (Triton kernel vs torch index_copy_), against bandwidth/FLOP floors.
 Usage: python recipes/attn_microbench.py [backend ...]
+       python recipes/attn_microbench.py --sweep   (Triton decode: block_n x num_warps x num_stages)
 """
 
 from __future__ import annotations
@@ -64,5 +65,37 @@ def main(backends: list[str]) -> None:
         print(f"{name:<24}{'write:torch':<12}{us:>9.1f}{write_floor:>10.1f}{write_floor / us:>9.1%}")
 
 
+def sweep() -> None:
+    """The Triton kernel's tile knobs on the decode shapes, to choose the class defaults."""
+    from rlt_serve.attention.triton_backend import TritonAttentionBackend as T
+
+    kv = KVCache([LOOPS] * 8, 64 * 41 + 64, PAGE, KV_HEADS, HEAD_DIM, DT, DEV)
+    free = list(range(kv.num_pages))
+    random.Random(1).shuffle(free)
+    print(f"{'shape':<24}{'block_n':>8}{'warps':>6}{'stages':>7}{'us':>9}{'of floor':>9}")
+    for name, spec in list(shapes().items())[:2]:
+        rows = [RowSpec(n, s, d, free[i * 41 : i * 41 + -(-(s + n) // PAGE)]) for i, (n, s, d) in enumerate(spec)]
+        t = len(rows)
+        q = torch.randn(t, HEADS, HEAD_DIM, device=DEV, dtype=DT)
+        k = torch.randn(t, KV_HEADS, HEAD_DIM, device=DEV, dtype=DT)
+        v = torch.randn_like(k)
+        floor_us = 1e6 * sum(r.end_pos for r in rows) * 2 * KV_HEADS * HEAD_DIM * 2 / BW
+        for block_n in (32, 64, 128):
+            for warps in (2, 4, 8):
+                for stages in (1, 2, 3, 4):
+                    T.block_n, T.num_warps, T.num_stages = block_n, warps, stages
+                    backend = get_attention_backend("triton", DEV, DT, PAGE)
+                    meta = backend.prepare(rows, kv)
+                    try:
+                        us = 1e3 * do_bench(lambda b=backend, m=meta: b.forward(q, k, v, kv, 5, m, HEAD_DIM**-0.5))  # noqa: B023
+                    except Exception as e:  # out of shared memory / registers for this tile
+                        print(f"{name:<24}{block_n:>8}{warps:>6}{stages:>7}  {type(e).__name__}")
+                        continue
+                    print(f"{name:<24}{block_n:>8}{warps:>6}{stages:>7}{us:>9.1f}{floor_us / us:>9.1%}")
+
+
 if __name__ == "__main__":
-    main(sys.argv[1:] or ["torch", "triton", "flash-attn"])
+    if sys.argv[1:] == ["--sweep"]:
+        sweep()
+    else:
+        main(sys.argv[1:] or ["torch", "triton", "flash-attn"])

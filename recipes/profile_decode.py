@@ -14,6 +14,7 @@ import time
 import torch
 from torch.profiler import ProfilerActivity, profile
 
+from rlt_serve.bench import free_device_memory
 from rlt_serve.engine.llm_engine import LLMEngine
 from rlt_serve.sampling_params import SamplingParams
 
@@ -45,8 +46,8 @@ def main() -> None:
         cuda_total = sum(k.self_device_time_total for k in ka) / 8 / 1e3
         print(f"\n=== c={c}: {step_ms:.2f} ms/step wall, {cuda_total:.2f} ms/step device (kernels)")
         print(ka.table(sort_by="self_device_time_total", row_limit=18, max_name_column_width=60))
-        del e
-        torch.cuda.empty_cache()
+        e = None
+        free_device_memory(torch.device("cuda"))
 
 
 if __name__ == "__main__":

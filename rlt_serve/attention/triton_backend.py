@@ -194,6 +194,7 @@ class TritonAttentionBackend(AttentionBackend):
     strided_qkv = True
     block_n = 64  # keys per inner step; halved for wide tiles (M=64, head_dim > 64) to bound registers
     num_warps = 4
+    num_stages: int | None = None  # Triton's default pipelining depth unless set (the microbenchmark sweeps it)
     max_splits = 16
     min_split_keys = 64  # one key block: shorter splits cost more in the combine than they save
     split_target: int | None = None  # programs to aim for; None: twice the GPU's multiprocessors
@@ -276,6 +277,7 @@ class TritonAttentionBackend(AttentionBackend):
             BLOCK_N=self.block_n if head_dp <= 64 or block_m <= 16 else self.block_n // 2,
             PAGE_SIZE=kv.page_size, PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
             SPLIT=splits > 1, num_warps=self.num_warps,
+            **({} if self.num_stages is None else {"num_stages": self.num_stages}),
         )  # fmt: skip
         if splits > 1:
             jit(_combine_kernel)[(t, heads)](
