@@ -9,6 +9,7 @@ Usage: python recipes/attn_microbench.py [backend ...]
 
 from __future__ import annotations
 
+import itertools
 import random
 import sys
 
@@ -72,7 +73,7 @@ def sweep() -> None:
     kv = KVCache([LOOPS] * 8, 64 * 41 + 64, PAGE, KV_HEADS, HEAD_DIM, DT, DEV)
     free = list(range(kv.num_pages))
     random.Random(1).shuffle(free)
-    print(f"{'shape':<24}{'block_n':>8}{'warps':>6}{'stages':>7}{'us':>9}{'of floor':>9}")
+    print(f"{'shape':<24}{'kernel':>8}{'block_n':>8}{'warps':>6}{'stages':>7}{'us':>9}{'of floor':>9}")
     for name, spec in list(shapes().items())[:2]:
         rows = [RowSpec(n, s, d, free[i * 41 : i * 41 + -(-(s + n) // PAGE)]) for i, (n, s, d) in enumerate(spec)]
         t = len(rows)
@@ -80,19 +81,18 @@ def sweep() -> None:
         k = torch.randn(t, KV_HEADS, HEAD_DIM, device=DEV, dtype=DT)
         v = torch.randn_like(k)
         floor_us = 1e6 * sum(r.end_pos for r in rows) * 2 * KV_HEADS * HEAD_DIM * 2 / BW
-        for block_n in (32, 64, 128):
-            for warps in (2, 4, 8):
-                for stages in (1, 2, 3, 4):
-                    T.block_n, T.num_warps, T.num_stages = block_n, warps, stages
-                    backend = get_attention_backend("triton", DEV, DT, PAGE)
-                    meta = backend.prepare(rows, kv)
-                    try:
-                        us = 1e3 * do_bench(lambda b=backend, m=meta: b.forward(q, k, v, kv, 5, m, HEAD_DIM**-0.5))  # noqa: B023
-                    except Exception as e:  # out of shared memory / registers for this tile
-                        print(f"{name:<24}{block_n:>8}{warps:>6}{stages:>7}  {type(e).__name__}")
-                        continue
-                    print(f"{name:<24}{block_n:>8}{warps:>6}{stages:>7}{us:>9.1f}{floor_us / us:>9.1%}")
-
+        configs = [("vector", *c) for c in itertools.product((32, 64, 128), (2, 4, 8), (2, 3))]
+        configs += [("tiled", 64, *c) for c in itertools.product((4, 8), (2, 3))]
+        for kernel, block_n, warps, stages in configs:
+            T.decode_mha, T.block_n, T.num_warps, T.num_stages = kernel == "vector", block_n, warps, stages
+            backend = get_attention_backend("triton", DEV, DT, PAGE)
+            meta = backend.prepare(rows, kv)
+            try:
+                us = 1e3 * do_bench(lambda b=backend, m=meta: b.forward(q, k, v, kv, 5, m, HEAD_DIM**-0.5))  # noqa: B023
+            except Exception as e:  # out of shared memory / registers for this tile
+                print(f"{name:<24}{kernel:>8}{block_n:>8}{warps:>6}{stages:>7}  {type(e).__name__}")
+                continue
+            print(f"{name:<24}{kernel:>8}{block_n:>8}{warps:>6}{stages:>7}{us:>9.1f}{floor_us / us:>9.1%}")
 
 if __name__ == "__main__":
     if sys.argv[1:] == ["--sweep"]:

@@ -54,13 +54,19 @@ DECODE_ONLY = [(1, 5), (1, 90), (1, 0), (1, 33)]
         (6, 2, 24, 16, MIXED, False),  # GQA group 3 (padded to 4), head_dim 24 (padded to 32)
         (8, 2, 32, 1, MIXED, True),
         (6, 1, 24, 1, DECODE_ONLY, False),  # decode-only call: the narrow tile
+        (4, 4, 24, 16, DECODE_ONLY, True),  # decode-only without GQA: the vector kernel, head_dim padded
+        (2, 2, 16, 1, DECODE_ONLY, False),
         (2, 2, 32, 16, [(80, 0), (1, 100)], False),  # a long span: several query tiles and key blocks
     ],
 )
 @pytest.mark.parametrize("splits", [1, 3], ids=["whole", "split-kv"])
-def test_triton_matches_torch(heads, kv_heads, head_dim, page_size, spans, masked, splits):
+@pytest.mark.parametrize("decode_mha", [True, False], ids=["vector-decode", "tiled-only"])
+def test_triton_matches_torch(heads, kv_heads, head_dim, page_size, spans, masked, splits, decode_mha):
+    if not decode_mha and (heads != kv_heads or spans != DECODE_ONLY):
+        pytest.skip("the vector kernel only serves one-query rows without GQA")
     (kv_ref, kv_tri), rows, (q, k, v), mask = _random_call(heads, kv_heads, head_dim, page_size, spans, 0, masked)
     ref, tri = TorchAttentionBackend(), TritonAttentionBackend()
+    tri.decode_mha = decode_mha
     if splits > 1:  # force split-KV plus the combine: every program's keys cut into up to 3 ranges
         tri.split_target, tri.min_split_keys, tri.max_splits = 10**6, 16, splits
     scale = head_dim**-0.5

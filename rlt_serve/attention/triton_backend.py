@@ -132,6 +132,66 @@ def _attention_kernel(
         )
 
 
+def _decode_mha_kernel(
+    q_ptr, o_ptr, k_cache, v_cache, rows_ptr, table_ptr,
+    part_acc, part_ml, num_splits, cells,
+    plane_base, qk_scale,
+    stride_qt, stride_qh, stride_ot, stride_oh,
+    stride_plane, stride_page, stride_slot, stride_kvh, stride_table,
+    HEAD_D: tl.constexpr, HEAD_DP: tl.constexpr, BLOCK_N: tl.constexpr,
+    PAGE_SIZE: tl.constexpr, SPLIT: tl.constexpr,
+):  # fmt: skip
+    """Program (row, head, split) of a one-query-per-row call without GQA: the score of a key is
+    a dot product of two vectors, so no matrix-multiply tile is padded out from one query row to
+    16 and the program holds a [HEAD_DP] accumulator, leaving registers for more programs in
+    flight. Same online softmax, same bf16 rounding of p, same split partials as the tiled kernel."""
+    row = tl.program_id(0)
+    head = tl.program_id(1)
+    q_row = tl.load(rows_ptr + 4 * row).to(tl.int64)
+    start_pos = tl.load(rows_ptr + 4 * row + 2)
+    plane = (plane_base + tl.load(rows_ptr + 4 * row + 3)).to(tl.int64)
+    d = tl.arange(0, HEAD_DP)
+    d_ok = d < HEAD_D
+    q = tl.load(q_ptr + q_row * stride_qt + head * stride_qh + d, mask=d_ok, other=0.0)
+    qf = q.to(tl.float32)
+    kv_end = start_pos + 1
+    lo = 0
+    hi = kv_end
+    if SPLIT:
+        per = tl.cdiv(tl.cdiv(kv_end, BLOCK_N), num_splits) * BLOCK_N
+        lo = tl.program_id(2) * per
+        hi = tl.minimum(kv_end, lo + per)
+    kv_base = plane * stride_plane + head * stride_kvh
+    m_i = tl.max(tl.full([BLOCK_N], float("-inf"), tl.float32), 0)
+    l_i = tl.sum(tl.zeros([BLOCK_N], tl.float32), 0)
+    acc = tl.zeros([HEAD_DP], tl.float32)
+    for n0 in range(lo, hi, BLOCK_N):
+        pos = n0 + tl.arange(0, BLOCK_N)
+        n_ok = pos < hi
+        page = tl.load(table_ptr + row * stride_table + pos // PAGE_SIZE, mask=n_ok, other=0)
+        kv_off = kv_base + page.to(tl.int64) * stride_page + (pos % PAGE_SIZE) * stride_slot
+        kv_mask = n_ok[:, None] & d_ok[None, :]
+        k = tl.load(k_cache + kv_off[:, None] + d[None, :], mask=kv_mask, other=0.0)
+        s = tl.sum(k.to(tl.float32) * qf[None, :], 1) * qk_scale
+        s = tl.where(n_ok, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 0))
+        p = tl.exp2(s - m_new)
+        alpha = tl.exp2(m_i - m_new)
+        l_i = l_i * alpha + tl.sum(p, 0)
+        v = tl.load(v_cache + kv_off[:, None] + d[None, :], mask=kv_mask, other=0.0)
+        pv = p.to(v.dtype).to(tl.float32)
+        acc = acc * alpha + tl.sum(pv[:, None] * v.to(tl.float32), 0)
+        m_i = m_new
+    if SPLIT:
+        n_heads = tl.num_programs(1)
+        cell = tl.program_id(2).to(tl.int64) * cells + q_row * n_heads + head
+        tl.store(part_acc + cell * HEAD_DP + d, acc)
+        tl.store(part_ml + 2 * cell, m_i)
+        tl.store(part_ml + 2 * cell + 1, l_i)
+    else:
+        tl.store(o_ptr + q_row * stride_ot + head * stride_oh + d, (acc / l_i).to(o_ptr.dtype.element_ty), mask=d_ok)
+
+
 def _combine_kernel(
     o_ptr, part_acc, part_ml, num_splits, cells, stride_ot, stride_oh,
     HEAD_D: tl.constexpr, HEAD_DP: tl.constexpr, SPLITS_P: tl.constexpr,
@@ -195,6 +255,7 @@ class TritonAttentionBackend(AttentionBackend):
     block_n = 64  # keys per inner step; halved for wide tiles (M=64, head_dim > 64) to bound registers
     num_warps = 4
     num_stages: int | None = None  # Triton's default pipelining depth unless set (the microbenchmark sweeps it)
+    decode_mha = True  # one-query rows without GQA take the vector kernel (_decode_mha_kernel)
     max_splits = 16
     min_split_keys = 64  # one key block: shorter splits cost more in the combine than they save
     split_target: int | None = None  # programs to aim for; None: twice the GPU's multiprocessors
@@ -258,15 +319,25 @@ class TritonAttentionBackend(AttentionBackend):
         group = heads // kv_heads
         group_p = next_pow2(group)
         block_m, tok_m = tile_shape(max(data.num_query), group)
-        tiles, num_tiles = data.tiles_for(tok_m, kv.device)
         head_dp = max(16, next_pow2(head_dim))
-        splits = self.num_splits(num_tiles * kv_heads, data.max_end, kv.device)
-        if splits > 1:
-            part_acc = torch.empty(splits, t, heads, head_dp, dtype=torch.float32, device=q.device)
-            part_ml = torch.empty(splits, t, heads, 2, dtype=torch.float32, device=q.device)
-        else:
-            part_acc = part_ml = out  # not read
         k_pages = kv.k  # [planes, pages, page_size, kv_heads, head_dim]
+        if self.decode_mha and group == 1 and max(data.num_query) == 1:
+            num_rows = len(data.num_query)
+            splits = self.num_splits(num_rows * heads, data.max_end, kv.device)
+            part_acc, part_ml = self._partials(splits, t, heads, head_dp, out)
+            jit(_decode_mha_kernel)[(num_rows, heads, splits)](
+                q, out, k_pages, kv.v, data.rows, data.table,
+                part_acc, part_ml, splits, t * heads,
+                kv.plane_base(layer), scale * _LOG2E,
+                q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+                k_pages.stride(0), k_pages.stride(1), k_pages.stride(2), k_pages.stride(3), data.table.stride(0),
+                HEAD_D=head_dim, HEAD_DP=head_dp, BLOCK_N=self.block_n, PAGE_SIZE=kv.page_size, SPLIT=splits > 1,
+                num_warps=self.num_warps, **({} if self.num_stages is None else {"num_stages": self.num_stages}),
+            )  # fmt: skip
+            return self._combine(out, part_acc, part_ml, splits, t, heads, head_dim, head_dp)
+        tiles, num_tiles = data.tiles_for(tok_m, kv.device)
+        splits = self.num_splits(num_tiles * kv_heads, data.max_end, kv.device)
+        part_acc, part_ml = self._partials(splits, t, heads, head_dp, out)
         jit(_attention_kernel)[(num_tiles, kv_heads, splits)](
             q, out, k_pages, kv.v, data.rows, tiles, data.table,
             part_acc, part_ml, splits, t * heads,
@@ -279,6 +350,19 @@ class TritonAttentionBackend(AttentionBackend):
             SPLIT=splits > 1, num_warps=self.num_warps,
             **({} if self.num_stages is None else {"num_stages": self.num_stages}),
         )  # fmt: skip
+        return self._combine(out, part_acc, part_ml, splits, t, heads, head_dim, head_dp)
+
+    @staticmethod
+    def _partials(splits: int, t: int, heads: int, head_dp: int, out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """fp32 split-KV partials (accumulators, and running max and sum), or `out` twice when unsplit (not read)."""
+        if splits == 1:
+            return out, out
+        return (torch.empty(splits, t, heads, head_dp, dtype=torch.float32, device=out.device),
+                torch.empty(splits, t, heads, 2, dtype=torch.float32, device=out.device))  # fmt: skip
+
+    @staticmethod
+    def _combine(out: torch.Tensor, part_acc: torch.Tensor, part_ml: torch.Tensor, splits: int, t: int, heads: int,
+                 head_dim: int, head_dp: int) -> torch.Tensor:  # fmt: skip
         if splits > 1:
             jit(_combine_kernel)[(t, heads)](
                 out, part_acc, part_ml, splits, t * heads, out.stride(0), out.stride(1),
