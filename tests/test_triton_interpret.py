@@ -67,6 +67,7 @@ def test_triton_matches_torch(heads, kv_heads, head_dim, page_size, spans, maske
     (kv_ref, kv_tri), rows, (q, k, v), mask = _random_call(heads, kv_heads, head_dim, page_size, spans, 0, masked)
     ref, tri = TorchAttentionBackend(), TritonAttentionBackend()
     tri.decode_mha = decode_mha
+    tri.heads_first = splits == 1  # both grid orders of the vector kernel
     if splits > 1:  # force split-KV plus the combine: every program's keys cut into up to 3 ranges
         tri.split_target, tri.min_split_keys, tri.max_splits = 10**6, 16, splits
     scale = head_dim**-0.5

@@ -139,14 +139,16 @@ def _decode_mha_kernel(
     stride_qt, stride_qh, stride_ot, stride_oh,
     stride_plane, stride_page, stride_slot, stride_kvh, stride_table,
     HEAD_D: tl.constexpr, HEAD_DP: tl.constexpr, BLOCK_N: tl.constexpr,
-    PAGE_SIZE: tl.constexpr, SPLIT: tl.constexpr,
+    PAGE_SIZE: tl.constexpr, SPLIT: tl.constexpr, HEADS_FIRST: tl.constexpr,
 ):  # fmt: skip
     """Program (row, head, split) of a one-query-per-row call without GQA: the score of a key is
     a dot product of two vectors, so no matrix-multiply tile is padded out from one query row to
     16 and the program holds a [HEAD_DP] accumulator, leaving registers for more programs in
-    flight. Same online softmax, same bf16 rounding of p, same split partials as the tiled kernel."""
-    row = tl.program_id(0)
-    head = tl.program_id(1)
+    flight. Same online softmax, same bf16 rounding of p, same split partials as the tiled kernel.
+    HEADS_FIRST puts the head on the fastest grid axis: the programs running side by side are then
+    the heads of one row, which together read each key's contiguous [heads, head_dim] block."""
+    row = tl.program_id(1) if HEADS_FIRST else tl.program_id(0)
+    head = tl.program_id(0) if HEADS_FIRST else tl.program_id(1)
     q_row = tl.load(rows_ptr + 4 * row).to(tl.int64)
     start_pos = tl.load(rows_ptr + 4 * row + 2)
     plane = (plane_base + tl.load(rows_ptr + 4 * row + 3)).to(tl.int64)
@@ -183,7 +185,7 @@ def _decode_mha_kernel(
         acc = acc * alpha + tl.sum(pv[:, None] * v.to(tl.float32), 0)
         m_i = m_new
     if SPLIT:
-        n_heads = tl.num_programs(1)
+        n_heads = tl.num_programs(0) if HEADS_FIRST else tl.num_programs(1)
         cell = tl.program_id(2).to(tl.int64) * cells + q_row * n_heads + head
         tl.store(part_acc + cell * HEAD_DP + d, acc)
         tl.store(part_ml + 2 * cell, m_i)
@@ -256,6 +258,7 @@ class TritonAttentionBackend(AttentionBackend):
     num_warps = 4
     num_stages: int | None = None  # Triton's default pipelining depth unless set (the microbenchmark sweeps it)
     decode_mha = True  # one-query rows without GQA take the vector kernel (_decode_mha_kernel)
+    heads_first = True  # its grid order (see the kernel)
     max_splits = 16
     min_split_keys = 64  # one key block: shorter splits cost more in the combine than they save
     split_target: int | None = None  # programs to aim for; None: twice the GPU's multiprocessors
@@ -325,14 +328,15 @@ class TritonAttentionBackend(AttentionBackend):
             num_rows = len(data.num_query)
             splits = self.num_splits(num_rows * heads, data.max_end, kv.device)
             part_acc, part_ml = self._partials(splits, t, heads, head_dp, out)
-            jit(_decode_mha_kernel)[(num_rows, heads, splits)](
+            grid = (heads, num_rows, splits) if self.heads_first else (num_rows, heads, splits)
+            jit(_decode_mha_kernel)[grid](
                 q, out, k_pages, kv.v, data.rows, data.table,
                 part_acc, part_ml, splits, t * heads,
                 kv.plane_base(layer), scale * _LOG2E,
                 q.stride(0), q.stride(1), out.stride(0), out.stride(1),
                 k_pages.stride(0), k_pages.stride(1), k_pages.stride(2), k_pages.stride(3), data.table.stride(0),
                 HEAD_D=head_dim, HEAD_DP=head_dp, BLOCK_N=self.block_n, PAGE_SIZE=kv.page_size, SPLIT=splits > 1,
-                num_warps=self.num_warps, **({} if self.num_stages is None else {"num_stages": self.num_stages}),
+                HEADS_FIRST=self.heads_first, num_warps=self.num_warps, **({} if self.num_stages is None else {"num_stages": self.num_stages}),
             )  # fmt: skip
             return self._combine(out, part_acc, part_ml, splits, t, heads, head_dim, head_dp)
         tiles, num_tiles = data.tiles_for(tok_m, kv.device)
