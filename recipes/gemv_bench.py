@@ -36,15 +36,28 @@ SHAPES = {
     "nanb down": (3072, 10752, False),
 }
 
-# (block_n, block_k, split_k, mode, num_warps, num_stages)
-CANDIDATES_M1 = [
-    GemvConfig(16, 256, 1, 0, 4, 1), GemvConfig(8, 512, 1, 0, 4, 1), GemvConfig(16, 256, 2, 0, 4, 1),
-    GemvConfig(16, 512, 1, 0, 8, 1), GemvConfig(64, 128, 1, 2, 4, 4), GemvConfig(32, 128, 2, 2, 4, 4),
-]  # fmt: skip
-CANDIDATES_MX = [
-    GemvConfig(64, 128, 1, 2, 4, 4), GemvConfig(32, 128, 1, 2, 4, 4), GemvConfig(64, 128, 2, 2, 4, 4),
-    GemvConfig(32, 128, 1, 1, 4, 4), GemvConfig(64, 256, 1, 2, 8, 3),
-]  # fmt: skip
+# (block_n, block_k, split_k, mode, num_warps, num_stages), by (M == 1, silu)
+CANDIDATES = {
+    (True, False): [
+        GemvConfig(8, 512, 1, 0, 4, 1), GemvConfig(4, 1024, 1, 0, 4, 1), GemvConfig(8, 1024, 1, 0, 8, 1),
+        GemvConfig(8, 512, 2, 0, 4, 1), GemvConfig(4, 512, 1, 0, 2, 1), GemvConfig(16, 512, 1, 0, 4, 1),
+        GemvConfig(8, 256, 1, 0, 2, 1), GemvConfig(8, 512, 1, 0, 4, 2), GemvConfig(64, 128, 1, 2, 4, 4),
+    ],
+    (True, True): [
+        GemvConfig(4, 512, 1, 0, 4, 1), GemvConfig(8, 512, 1, 0, 4, 1), GemvConfig(4, 1024, 1, 0, 8, 1),
+        GemvConfig(64, 128, 1, 2, 4, 4), GemvConfig(32, 128, 1, 2, 4, 4), GemvConfig(32, 256, 1, 2, 4, 3),
+        GemvConfig(64, 64, 1, 2, 4, 6), GemvConfig(128, 64, 1, 2, 4, 5), GemvConfig(4, 512, 1, 0, 2, 1),
+    ],
+    (False, False): [
+        GemvConfig(64, 128, 1, 2, 4, 4), GemvConfig(32, 128, 1, 2, 4, 4), GemvConfig(128, 64, 1, 2, 4, 5),
+        GemvConfig(64, 64, 1, 2, 4, 6), GemvConfig(32, 128, 2, 2, 4, 4), GemvConfig(16, 256, 1, 1, 4, 4),
+        GemvConfig(16, 128, 1, 1, 4, 6), GemvConfig(32, 256, 1, 2, 8, 3), GemvConfig(64, 128, 2, 2, 4, 4),
+    ],
+    (False, True): [
+        GemvConfig(64, 128, 1, 2, 4, 4), GemvConfig(32, 128, 1, 2, 4, 4), GemvConfig(128, 64, 1, 2, 4, 5),
+        GemvConfig(64, 64, 1, 2, 4, 6), GemvConfig(32, 256, 1, 2, 8, 3), GemvConfig(16, 128, 1, 1, 4, 6),
+    ],
+}  # fmt: skip
 
 
 def time_graph(fn, xs: torch.Tensor, weights: list[torch.Tensor]) -> float:
@@ -95,15 +108,14 @@ def main(quick: bool) -> None:
                 cublas = time_graph(F.linear, x, weights)
                 want = F.linear(x, weights[0])
             default = default_config(m, n, k, silu)
-            tiles = [default] + [c for c in (CANDIDATES_M1 if m == 1 else CANDIDATES_MX) if c != default]
+            tiles = [default] + [c for c in CANDIDATES[m == 1, silu] if c != default]
             results = []
             for cfg in tiles:
-                us = time_graph(lambda a, w, c=cfg: gemv(a, w, silu=silu, config=c), x, weights)
+                us = time_graph(lambda a, w, c=cfg, s=silu: gemv(a, w, silu=s, config=c), x, weights)
                 results.append((us, cfg, check(gemv(x, weights[0], silu=silu, config=cfg), want)))
             best = min(results)
-            gbs = lambda us: nbytes / us / 1e3  # noqa: E731
-            print(f"{name:<14}{m:>2}{cublas:>10.2f}{gbs(cublas):>6.0f}{results[0][0]:>9.2f}{gbs(results[0][0]):>6.0f}"
-                  f"{cublas / results[0][0]:>6.2f}{best[0]:>9.2f}{gbs(best[0]):>6.0f}"
+            print(f"{name:<14}{m:>2}{cublas:>10.2f}{nbytes / cublas / 1e3:>6.0f}{results[0][0]:>9.2f}{nbytes / results[0][0] / 1e3:>6.0f}"
+                  f"{cublas / results[0][0]:>6.2f}{best[0]:>9.2f}{nbytes / best[0] / 1e3:>6.0f}"
                   f"{max(r[2] for r in results):>6.1f}  {tuple(best[1])}")  # fmt: skip
             if m == 1 and name.startswith("ouro"):
                 totals["cublas"] += cublas

@@ -144,16 +144,28 @@ def _reduce_kernel(part_ptr, y_ptr, M, N, split, stride_ym, SILU: tl.constexpr, 
 
 
 def default_config(m: int, n: int, k: int, silu: bool) -> GemvConfig:
-    """Tiles per shape class, fixed ahead (see recipes/gemv_bench.py for how they were chosen).
-    `n` counts output columns (for gate|up: the intermediate size)."""
+    """Tiles per shape class, fixed from recipes/gemv_bench.py on the H200 (2026-12-03; GB/s at
+    M=1 against cuBLAS in the comments). `n` counts output columns (for gate|up: the intermediate size)."""
     rows = 2 * n if silu else n  # rows of W streamed
+    if silu:  # gate|up, 64 or 128 output columns a program, W @ x^T on the tensor cores
+        if k >= 3072:
+            return GemvConfig(128, 64, 1, mode=2, num_warps=4, num_stages=5)  # Nanbeige 3904 (3755)
+        return GemvConfig(64, 128, 1, mode=2, num_warps=4, num_stages=4)  # Ouro 3494 (3106 + silu_mul)
     if m == 1:
-        block_n = 8 if silu else 16
-        split = 2 if rows <= 4096 and k >= 2048 else 1
-        return GemvConfig(block_n, 256, split, mode=0, num_warps=4, num_stages=1)
-    block_n = 32 if silu else 64
-    split = 2 if rows <= 4096 else 1
-    return GemvConfig(block_n, 128, split, mode=2, num_warps=4, num_stages=4)
+        if rows <= 4096:  # o_proj, down: longer rows, so more bytes in flight per program
+            return GemvConfig(8, 1024, 1, mode=0, num_warps=8, num_stages=1)  # Ouro o 1975 (1381), down 2825 (2231)
+        if k >= 3072:
+            return GemvConfig(64, 128, 1, mode=2, num_warps=4, num_stages=4)  # Nanbeige qkv 3534 (3469)
+        return GemvConfig(8, 512, 1, mode=0, num_warps=4, num_stages=1)  # Ouro qkv 3277 (2839)
+    if rows <= 4096:  # only with long rows (see cublas_wins): split K so 132 SMs have work
+        return GemvConfig(64, 128, 2, mode=2, num_warps=4, num_stages=4)  # Nanbeige o/down, M=2..8: +3..8%
+    return GemvConfig(64, 128, 1, mode=2, num_warps=4, num_stages=4)  # qkv M=2..8: +1..4%
+
+
+def cublas_wins(m: int, rows: int, k: int) -> bool:
+    """Where the bench found no tile beating cuBLAS: several rows of a short, narrow W (Ouro's
+    o_proj and down at M=2..8 tie or lose by 4%)."""
+    return m > 1 and rows <= 4096 and k < 6144
 
 
 def gemv(x: torch.Tensor, w: torch.Tensor, silu: bool = False, config: GemvConfig | None = None) -> torch.Tensor:
@@ -191,13 +203,14 @@ def gemv(x: torch.Tensor, w: torch.Tensor, silu: bool = False, config: GemvConfi
     return y
 
 
-def _use_gemv(x: torch.Tensor, w: torch.Tensor) -> bool:
+def _use_gemv(x: torch.Tensor, w: torch.Tensor, silu: bool = False) -> bool:
     return (
         x.is_cuda
         and x.dim() == 2
         and x.shape[0] <= MAX_M
         and x.dtype in _DTYPES
         and w.dtype == x.dtype
+        and (silu or not cublas_wins(x.shape[0], w.shape[0], w.shape[1]))
         and os.environ.get("RLT_GEMV", "1") != "0"
         and triton_missing() is None
     )
@@ -210,4 +223,4 @@ def linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
 
 def gate_up_silu(x: torch.Tensor, gate_up: torch.Tensor) -> torch.Tensor:
     """silu_mul(F.linear(x, gate_up)) for a fused gate|up weight, one kernel at decode sizes."""
-    return gemv(x, gate_up, silu=True) if _use_gemv(x, gate_up) else fused_ops.silu_mul(F.linear(x, gate_up))
+    return gemv(x, gate_up, silu=True) if _use_gemv(x, gate_up, silu=True) else fused_ops.silu_mul(F.linear(x, gate_up))
