@@ -1,6 +1,6 @@
 """Decode projections on the H200: cuBLAS F.linear against rlt_serve.models.gemv, and its tile choices.
 
-For each weight shape of Ouro-1.4B and Nanbeige4.2-3B and M = 1, 2, 4, 8 rows, one CUDA graph
+For each weight shape of Ouro-1.4B, Nanbeige4.2-3B and Huginn-0125 and M = 1, 2, 4, 8 rows, one CUDA graph
 holds CALLS back-to-back calls over distinct weight copies (at least L2_FLOOR bytes of them, so
 L2, 50 MB, never holds the weight a call reads: Ouro's o_proj is only 8 MB). Times are graph
 replays over CUDA events, per call. gate_up is timed as the engine's current path (F.linear then
@@ -34,6 +34,11 @@ SHAPES = {
     "nanb o": (3072, 6144, False),
     "nanb gate_up": (21504, 3072, True),
     "nanb down": (3072, 10752, False),
+    "hug qkv": (3 * 5280, 5280, False),
+    "hug o": (5280, 5280, False),
+    "hug adapter": (5280, 2 * 5280, False),
+    "hug gate_up": (2 * 17920, 5280, True),
+    "hug down": (5280, 17920, False),
 }
 
 # (block_n, block_k, split_k, mode, num_warps, num_stages), by (M == 1, silu)

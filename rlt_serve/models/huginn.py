@@ -169,7 +169,7 @@ class HuginnForCausalLM(LoopedModel):
     ) -> CoreOutput:
         tr = self.transformer
         rope = self.rotary.cos_sin(positions)
-        x = tr.adapter(torch.cat([hidden, injected], dim=-1))
+        x = gemv.linear(torch.cat([hidden, injected], dim=-1), tr.adapter.weight)
         for block in tr.core_block:
             x = block(x, rope, ctx)
         return CoreOutput(x)
