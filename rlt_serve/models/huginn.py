@@ -20,6 +20,7 @@ from torch import nn
 
 from rlt_serve.config import ModelConfig
 from rlt_serve.host_copy import to_device
+from rlt_serve.models import gemv
 from rlt_serve.models.base import CoreOutput, LoopedModel, PreludeOutput
 from rlt_serve.models.layers import CoreContext, RMSNorm
 
@@ -72,12 +73,12 @@ class CausalSelfAttention(nn.Module):
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], ctx: CoreContext) -> torch.Tensor:
         t = x.shape[0]
-        q, k, v = self.Wqkv(x).view(t, 3, self.heads, self.head_dim).unbind(1)
+        q, k, v = gemv.linear(x, self.Wqkv.weight).view(t, 3, self.heads, self.head_dim).unbind(1)
         if hasattr(self, "qk_bias"):
             q, k = q + self.qk_bias[0, 0], k + self.qk_bias[1, 0]
         q, k = InterleavedRotary.apply(q, *rope), InterleavedRotary.apply(k, *rope)
         o = ctx.backend.forward(q, k, v.contiguous(), ctx.kv, self.layer, ctx.meta, self.scale)
-        return self.proj(o.reshape(t, self.heads * self.head_dim))
+        return gemv.linear(o.reshape(t, self.heads * self.head_dim), self.proj.weight)
 
 
 class GatedMLP(nn.Module):
@@ -87,6 +88,8 @@ class GatedMLP(nn.Module):
         self.proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dim() == 2:  # rows: gate | up, as gemv.gate_up_silu takes them
+            return gemv.linear(gemv.gate_up_silu(x, self.fc.weight), self.proj.weight)
         gate, up = self.fc(x).chunk(2, dim=-1)
         return self.proj(F.silu(gate) * up)
 
@@ -166,7 +169,7 @@ class HuginnForCausalLM(LoopedModel):
     ) -> CoreOutput:
         tr = self.transformer
         rope = self.rotary.cos_sin(positions)
-        x = tr.adapter(torch.cat([hidden, injected], dim=-1))
+        x = gemv.linear(torch.cat([hidden, injected], dim=-1), tr.adapter.weight)
         for block in tr.core_block:
             x = block(x, rope, ctx)
         return CoreOutput(x)

@@ -8,7 +8,7 @@ from torch import nn
 
 from rlt_serve.attention.backend import AttentionBackend, AttentionMetadata
 from rlt_serve.engine.kv_cache import KVCache
-from rlt_serve.models import fused_ops
+from rlt_serve.models import fused_ops, gemv
 
 
 class RMSNorm(nn.Module):
@@ -69,7 +69,7 @@ class SwiGLU(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.gate_up is None:
             return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
-        return self.down_proj(fused_ops.silu_mul(F.linear(x, self.gate_up)))
+        return gemv.linear(gemv.gate_up_silu(x, self.gate_up), self.down_proj.weight)
 
 
 class PagedAttention(nn.Module):
@@ -95,7 +95,7 @@ class PagedAttention(nn.Module):
             q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
         else:
             nq, nkv = self.heads * self.head_dim, self.kv_heads * self.head_dim
-            q, k, v = F.linear(x, self.qkv).split([nq, nkv, nkv], dim=-1)
+            q, k, v = gemv.linear(x, self.qkv).split([nq, nkv, nkv], dim=-1)
         q = q.view(t, self.heads, self.head_dim)
         k = k.view(t, self.kv_heads, self.head_dim)
         v = v.view(t, self.kv_heads, self.head_dim)
@@ -103,7 +103,7 @@ class PagedAttention(nn.Module):
         if not ctx.backend.strided_qkv:
             q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
         o = ctx.backend.forward(q, k, v, ctx.kv, self.layer, ctx.meta, self.scale)
-        return self.o_proj(o.reshape(t, self.heads * self.head_dim))
+        return gemv.linear(o.reshape(t, self.heads * self.head_dim), self.o_proj.weight)
 
 
 class CoreContext:

@@ -1,0 +1,229 @@
+"""Decode-time projections y = x @ W^T for a few rows (M <= 8): a Triton GEMV instead of cuBLAS.
+
+At concurrency 1 decode is a stream of weight reads: every projection reads its whole W for one
+or a few activation rows, and cuBLAS reaches about 65% of the H200's copy bandwidth on these
+shapes. Here each program streams BLOCK_N whole contiguous rows of W (16-byte loads along K,
+fp32 accumulation) and writes BLOCK_N outputs: at M = 1 as elementwise products summed once at
+the end, at M > 1 (and for gate|up) on the tensor cores as W @ x^T. Where N / BLOCK_N programs
+cannot keep 132 SMs busy K may be split; a second small kernel then adds the fp32 partials in a
+fixed order, so outputs never depend on scheduling (no float atomics). The gate|up projection
+ends in SiLU-and-multiply: a program reads gate rows [n0, n0+B) and the matching up rows
+[I+n0, I+n0+B) and writes silu(gate)*up, so the [M, 2I] intermediate is never stored. On the
+H200 (recipes/gemv_bench.py) Ouro-1.4B's four projections at M = 1 take 33 us a layer-loop
+against cuBLAS's 40 (with silu_mul), 3.2 against 3.85 ms a token.
+
+Rounding is F.linear's then fused_ops.silu_mul's: each product accumulates in fp32 and rounds to
+the model dtype once; gate and up round before the SiLU, the SiLU rounds, the product rounds. So
+results equal the torch path up to the fp32 reduction order.
+
+Tile shapes are fixed per shape class (no autotuning: the calls are captured in CUDA graphs), no
+host syncs, and nothing is allocated but the output (and the split-K partials) via torch.empty.
+`RLT_GEMV=0` keeps F.linear everywhere.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any, NamedTuple
+
+import torch
+import torch.nn.functional as F
+
+from rlt_serve.models import fused_ops
+from rlt_serve.triton_jit import jit, next_pow2, triton_missing
+
+triton: Any = None  # bound on first launch by rlt_serve.triton_jit.jit
+tl: Any = None
+
+MAX_M = 8  # the decode batch sizes the bench measured; more rows stay with cuBLAS
+_DTYPES = (torch.bfloat16, torch.float16)
+
+
+class GemvConfig(NamedTuple):
+    """Tile of one launch. mode 0: elementwise products summed at the end (M == 1 only);
+    1: tl.dot(x, W^T) with x padded to 16 rows; 2: tl.dot(W, x^T) ("swap AB", W the wide operand)."""
+
+    block_n: int
+    block_k: int
+    split_k: int = 1
+    mode: int = 0
+    num_warps: int = 4
+    num_stages: int = 3
+
+
+def _gemv_kernel(
+    x_ptr, w_ptr, y_ptr, part_ptr, M, N, K, k_split, split, up_off,
+    stride_xm, stride_wn, stride_ym,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PARTIAL: tl.constexpr,
+    SILU: tl.constexpr, MODE: tl.constexpr,
+):  # fmt: skip
+    """Program (n block, k split): outputs [n0, n0+BLOCK_N) over K range [s*k_split, (s+1)*k_split).
+    With SILU, up rows sit `up_off` rows below the gate rows. PARTIAL stores fp32 partials
+    [split, M, N] (with SILU the up partials follow, another [split, M, N]) for _reduce_kernel."""
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = rows < N
+    ms = tl.arange(0, BLOCK_M)
+    m_ok = ms < M
+    w_rows = w_ptr + rows.to(tl.int64)[:, None] * stride_wn
+    x_rows = x_ptr + ms[:, None] * stride_xm
+    k_lo = pid_k * k_split
+    if MODE == 0:
+        acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+        acc_u = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+    elif MODE == 1:
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    else:
+        acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+        acc_u = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    for k0 in range(k_lo, k_lo + k_split, BLOCK_K):
+        ks = k0 + tl.arange(0, BLOCK_K)
+        k_ok = ks < K
+        x = tl.load(x_rows + ks[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+        w_mask = n_ok[:, None] & k_ok[None, :]
+        w = tl.load(w_rows + ks[None, :], mask=w_mask, other=0.0)
+        if MODE == 0:  # BLOCK_M == 1: x is [1, BLOCK_K], broadcast over the rows of W
+            acc += w.to(tl.float32) * x.to(tl.float32)
+        elif MODE == 1:
+            acc = tl.dot(x, tl.trans(w), acc)
+        else:
+            acc = tl.dot(w, tl.trans(x), acc)
+        if SILU:
+            wu = tl.load(w_rows + up_off * stride_wn + ks[None, :], mask=w_mask, other=0.0)
+            if MODE == 0:
+                acc_u += wu.to(tl.float32) * x.to(tl.float32)
+            elif MODE == 1:
+                acc_u = tl.dot(x, tl.trans(wu), acc_u)
+            else:
+                acc_u = tl.dot(wu, tl.trans(x), acc_u)
+    # -> [BLOCK_M, BLOCK_N]
+    if MODE == 0:
+        out = tl.sum(acc, 1)[None, :]
+        out_u = tl.sum(acc_u, 1)[None, :]
+    elif MODE == 1:
+        out = acc
+        out_u = acc_u
+    else:
+        out = tl.trans(acc)
+        out_u = tl.trans(acc_u)
+    mask = m_ok[:, None] & n_ok[None, :]
+    if not PARTIAL:
+        dt = y_ptr.dtype.element_ty
+        if SILU:
+            g = out.to(dt).to(tl.float32)
+            s = (g / (1.0 + tl.exp(-g))).to(dt)
+            res = (s.to(tl.float32) * out_u.to(dt).to(tl.float32)).to(dt)
+        else:
+            res = out.to(dt)
+        tl.store(y_ptr + ms[:, None] * stride_ym + rows[None, :], res, mask=mask)
+    else:
+        part = part_ptr + (pid_k * M + ms[:, None]) * N + rows[None, :]
+        tl.store(part, out, mask=mask)
+        if SILU:
+            tl.store(part + split * M * N, out_u, mask=mask)
+
+
+def _reduce_kernel(part_ptr, y_ptr, M, N, split, stride_ym, SILU: tl.constexpr, BLOCK: tl.constexpr):  # fmt: skip
+    """Program (row, n block): the fp32 partials added in split order, then the epilogue."""
+    m = tl.program_id(0)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    ok = cols < N
+    acc = tl.zeros((BLOCK,), dtype=tl.float32)
+    acc_u = tl.zeros((BLOCK,), dtype=tl.float32)
+    for s in range(split):
+        acc += tl.load(part_ptr + (s * M + m) * N + cols, mask=ok, other=0.0)
+        if SILU:
+            acc_u += tl.load(part_ptr + ((split + s) * M + m) * N + cols, mask=ok, other=0.0)
+    dt = y_ptr.dtype.element_ty
+    if SILU:
+        g = acc.to(dt).to(tl.float32)
+        sg = (g / (1.0 + tl.exp(-g))).to(dt)
+        res = (sg.to(tl.float32) * acc_u.to(dt).to(tl.float32)).to(dt)
+    else:
+        res = acc.to(dt)
+    tl.store(y_ptr + m * stride_ym + cols, res, mask=ok)
+
+
+def default_config(m: int, n: int, k: int, silu: bool) -> GemvConfig:
+    """Tiles per shape class, fixed from recipes/gemv_bench.py on the H200 (2026-12-03; GB/s at
+    M=1 against cuBLAS in the comments). `n` counts output columns (for gate|up: the intermediate size)."""
+    rows = 2 * n if silu else n  # rows of W streamed
+    if silu:  # gate|up, 64 or 128 output columns a program, W @ x^T on the tensor cores
+        if k >= 3072:
+            return GemvConfig(128, 64, 1, mode=2, num_warps=4, num_stages=5)  # Nanbeige 3904 (3755)
+        return GemvConfig(64, 128, 1, mode=2, num_warps=4, num_stages=4)  # Ouro 3494 (3106 + silu_mul)
+    if m == 1:
+        if rows <= 4096:  # o_proj, down: longer rows, so more bytes in flight per program
+            return GemvConfig(8, 1024, 1, mode=0, num_warps=8, num_stages=1)  # Ouro o 1975 (1381), down 2825 (2231)
+        if k >= 3072:
+            return GemvConfig(64, 128, 1, mode=2, num_warps=4, num_stages=4)  # Nanbeige qkv 3534 (3469)
+        return GemvConfig(8, 512, 1, mode=0, num_warps=4, num_stages=1)  # Ouro qkv 3277 (2839)
+    if rows <= 4096:  # only with long rows (see cublas_wins): split K so 132 SMs have work
+        return GemvConfig(64, 128, 2, mode=2, num_warps=4, num_stages=4)  # Nanbeige o/down, M=2..8: +3..8%
+    return GemvConfig(64, 128, 1, mode=2, num_warps=4, num_stages=4)  # qkv M=2..8: +1..4%
+
+
+def cublas_wins(m: int, rows: int, k: int) -> bool:
+    """Where the bench found no tile beating cuBLAS: several rows of a short, narrow W (Ouro's
+    o_proj and down at M=2..8 tie or lose by 4%)."""
+    return m > 1 and rows <= 4096 and k < 6144
+
+
+def gemv(x: torch.Tensor, w: torch.Tensor, silu: bool = False, config: GemvConfig | None = None) -> torch.Tensor:
+    """x [M, K] @ w[N, K]^T -> [M, N]; with `silu`, w is gate|up [2I, K] and the result
+    silu(x @ gate^T) * (x @ up^T) [M, I]. Any device Triton runs on (the CPU interpreter too)."""
+    m, k = x.shape
+    rows, kw = w.shape
+    if kw != k or (silu and rows % 2):
+        raise ValueError(f"gemv: x {tuple(x.shape)} and w {tuple(w.shape)} do not fit (silu={silu})")
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    if w.stride(-1) != 1:
+        w = w.contiguous()
+    n = rows // 2 if silu else rows
+    cfg = config or default_config(m, n, k, silu)
+    if cfg.mode == 0 and m != 1:
+        raise ValueError("gemv: the elementwise mode (0) takes one row")
+    y = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    if m == 0 or n == 0:
+        return y
+    block_m = 1 if cfg.mode == 0 else max(16, next_pow2(m))
+    k_split = -(-k // (cfg.split_k * cfg.block_k)) * cfg.block_k  # whole K blocks per split
+    split = -(-k // k_split)
+    part = torch.empty((2 if silu else 1) * split * m * n, dtype=torch.float32, device=x.device) if split > 1 else y
+    jit(_gemv_kernel)[(triton.cdiv(n, cfg.block_n), split)](
+        x, w, y, part, m, n, k, k_split, split, n, x.stride(0), w.stride(0), y.stride(0),
+        BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, PARTIAL=split > 1, SILU=silu, MODE=cfg.mode,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )  # fmt: skip
+    if split > 1:
+        block = min(1024, next_pow2(n))
+        jit(_reduce_kernel)[(m, triton.cdiv(n, block))](
+            part, y, m, n, split, y.stride(0), SILU=silu, BLOCK=block, num_warps=4
+        )
+    return y
+
+
+def _use_gemv(x: torch.Tensor, w: torch.Tensor, silu: bool = False) -> bool:
+    return (
+        x.is_cuda
+        and x.dim() == 2
+        and x.shape[0] <= MAX_M
+        and x.dtype in _DTYPES
+        and w.dtype == x.dtype
+        and (silu or not cublas_wins(x.shape[0], w.shape[0], w.shape[1]))
+        and os.environ.get("RLT_GEMV", "1") != "0"
+        and triton_missing() is None
+    )
+
+
+def linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """F.linear(x, w) (no bias), through the GEMV for decode-sized CUDA inputs."""
+    return gemv(x, w) if _use_gemv(x, w) else F.linear(x, w)
+
+
+def gate_up_silu(x: torch.Tensor, gate_up: torch.Tensor) -> torch.Tensor:
+    """silu_mul(F.linear(x, gate_up)) for a fused gate|up weight, one kernel at decode sizes."""
+    return gemv(x, gate_up, silu=True) if _use_gemv(x, gate_up, silu=True) else fused_ops.silu_mul(F.linear(x, gate_up))

@@ -1,0 +1,134 @@
+"""The decode GEMV (rlt_serve.models.gemv) against torch, run by Triton's CPU interpreter.
+
+fp16 and float32, tiny shapes: the interpreter's bf16 casts truncate instead of rounding (and its
+bf16 tl.dot is broken), while its fp16 is numpy's, which rounds to nearest like the GPU. Shapes
+are not multiples of the tiles, so the N and K tails and the split-K ranges are all exercised.
+Triton reads TRITON_INTERPRET when first imported: set here at collection, as in
+tests/test_triton_interpret.py, and only where no CUDA device exists (tests/test_gemv_gpu.py
+runs the compiled kernels there).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import sys
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+if importlib.util.find_spec("triton") is None:
+    pytest.skip("triton is not installed (pip install 'triton==3.6.*' 'numpy<2.4')", allow_module_level=True)
+if torch.cuda.is_available():
+    pytest.skip("a CUDA device is present: tests/test_gemv_gpu.py runs the compiled kernels", allow_module_level=True)
+if "triton" in sys.modules and os.environ.get("TRITON_INTERPRET") != "1":
+    pytest.fail("triton was imported in compiled mode before this module could select its interpreter")
+os.environ["TRITON_INTERPRET"] = "1"
+
+pytestmark = pytest.mark.filterwarnings("ignore:Conversion of an array with ndim:DeprecationWarning")
+
+from rlt_serve.models import gemv as gemv_mod
+from rlt_serve.models.gemv import GemvConfig, gemv
+
+# (block_n, block_k, split_k, mode): elementwise (M=1), x @ W^T, W @ x^T; whole K and split K
+CONFIGS = [
+    GemvConfig(16, 64, 1, 0), GemvConfig(8, 32, 3, 0), GemvConfig(16, 32, 1, 1), GemvConfig(32, 32, 2, 2),
+    GemvConfig(16, 64, 4, 1), GemvConfig(8, 1024, 1, 0, 8, 1), GemvConfig(128, 64, 1, 2, 4, 5),
+]  # fmt: skip
+
+
+def _want(x: torch.Tensor, w: torch.Tensor, silu: bool) -> torch.Tensor:
+    """F.linear rounded once from an exact sum, then (with silu) fused_ops.silu_mul's rounding."""
+    y = (x.double() @ w.double().T).to(x.dtype)
+    if not silu:
+        return y
+    gate, up = y.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+def _assert_rounded_like(got: torch.Tensor, want: torch.Tensor) -> None:
+    """fp16: every output within one ulp of the exactly-summed, once-rounded value, and almost all
+    equal to it (an fp32 sum differs from the exact one by ~1e-6 relative, so only values near a
+    rounding boundary may land on the other side; a second rounding or a truncation would move
+    about half of them)."""
+    diff = (got.float() - want.float()).abs()
+    ulp = torch.exp2(torch.floor(torch.log2(want.float().abs().clamp_min(2**-14))) - 10)
+    assert (diff <= ulp).all(), (diff / ulp).max()
+    assert (diff == 0).float().mean() >= 0.98, (diff == 0).float().mean()
+
+
+@pytest.mark.parametrize("cfg", CONFIGS, ids=lambda c: f"n{c.block_n}k{c.block_k}s{c.split_k}m{c.mode}")
+@pytest.mark.parametrize("silu", [False, True], ids=["linear", "silu"])
+def test_gemv_matches_torch(cfg, silu):
+    g = torch.Generator().manual_seed(cfg.block_n * 7 + cfg.mode + silu)
+    ms = [1] if cfg.mode == 0 else [1, 2, 5, 8]
+    for dtype in (torch.float16, torch.float32):
+        for m in ms:
+            n, k = (2 * 37, 150) if silu else (45, 167)  # neither a multiple of any tile
+            x = torch.randn(m, k, generator=g).to(dtype)
+            w = (torch.randn(n, k, generator=g) * k**-0.5).to(dtype)
+            got, want = gemv(x, w, silu=silu, config=cfg), _want(x, w, silu)
+            assert got.shape == want.shape and got.dtype == dtype
+            if dtype == torch.float16:
+                _assert_rounded_like(got, want)
+            else:
+                torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("cfg", [GemvConfig(16, 64, 1, 0), GemvConfig(8, 32, 2, 0), GemvConfig(16, 32, 3, 2)])
+def test_tails_are_not_dropped(cfg):
+    """W is zero except in the last K column and the last N row: a kernel that skipped either
+    tail (K = 150 is no multiple of 32 or 64, N = 45 none of 8 or 16) would return zeros there."""
+    k, n = 150, 45
+    x = torch.ones(1, k)
+    w = torch.zeros(n, k)
+    w[:, -1] = 2.0  # only the K tail contributes to every output
+    w[-1, :] = 1.0  # the last row, in the N tail, sums all of x (its K tail included)
+    got = gemv(x, w, config=cfg)
+    want = torch.full((1, n), 2.0)
+    want[0, -1] = float(k)
+    assert torch.equal(got, want), got
+    gu = torch.cat([w, w])  # gate == up: silu(y) * y, tails included
+    y = want
+    assert torch.allclose(gemv(x, gu, silu=True, config=cfg), F.silu(y) * y)
+
+
+def test_default_configs_cover_every_m():
+    """The tiles the engine would pick for decode-sized inputs (M = 1..8), on a gate|up-like and
+    an o_proj-like shape, whole K and split K alike."""
+    g = torch.Generator().manual_seed(3)
+    for m in range(1, gemv_mod.MAX_M + 1):
+        for n, k, silu in ((2 * 40, 96, True), (48, 2100, False)):
+            cfg = gemv_mod.default_config(m, n // 2 if silu else n, k, silu)
+            x = torch.randn(m, k, generator=g).half()
+            w = (torch.randn(n, k, generator=g) * k**-0.5).half()
+            _assert_rounded_like(gemv(x, w, silu=silu, config=cfg), _want(x, w, silu))
+
+
+def test_bad_shapes_are_rejected():
+    with pytest.raises(ValueError, match="do not fit"):
+        gemv(torch.ones(1, 8), torch.ones(4, 9))
+    with pytest.raises(ValueError, match="do not fit"):
+        gemv(torch.ones(1, 8), torch.ones(5, 8), silu=True)
+    with pytest.raises(ValueError, match="one row"):
+        gemv(torch.ones(2, 8), torch.ones(4, 8), config=GemvConfig(16, 64, 1, 0))
+
+
+def test_cublas_keeps_short_narrow_weights_at_several_rows():
+    """Measured on the H200: Ouro's o_proj / down at M > 1 stay with cuBLAS; M = 1 and wide or
+    long weights take the GEMV."""
+    assert gemv_mod.cublas_wins(2, 2048, 2048) and gemv_mod.cublas_wins(8, 2048, 5632)
+    assert not gemv_mod.cublas_wins(1, 2048, 2048)
+    assert not gemv_mod.cublas_wins(4, 6144, 2048)  # qkv
+    assert not gemv_mod.cublas_wins(4, 3072, 6144)  # Nanbeige o_proj
+
+
+def test_dispatch_keeps_torch_off_cuda(monkeypatch):
+    """On the CPU (interpreting or not) the layers' helpers are F.linear and silu_mul exactly."""
+    g = torch.Generator().manual_seed(4)
+    x, w = torch.randn(2, 16, generator=g), torch.randn(12, 16, generator=g)
+    assert not gemv_mod._use_gemv(x, w)
+    assert torch.equal(gemv_mod.linear(x, w), F.linear(x, w))
+    gate, up = F.linear(x, w).chunk(2, dim=-1)
+    assert torch.equal(gemv_mod.gate_up_silu(x, w), F.silu(gate) * up)
