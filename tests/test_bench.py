@@ -104,14 +104,16 @@ def test_depth_sweep_acceptance_follows_the_update_scale(tmp_path, capsys):
     argv = ["--model", f"1.0={paths[1.0]}", "--model", f"0.03={paths[0.03]}", "--concurrency", "1", "3",
             "--spec", "3:2", "--adaptive", "4", "--exit-model", f"0.03={paths[0.03]}", "--exit-thresholds", "1.0", "0.6",
             "--input-len", "6", "--output-len", "12", "--dtype", "float32", "--device", "cpu", "--num-kv-pages", "128",
-            "--json", str(out_json), "--out", str(out_md)]  # fmt: skip
+            "--runs", "2", "--json", str(out_json), "--out", str(out_md)]  # fmt: skip
     assert bench_depth.main(argv) == 0
     rows = json.loads(out_json.read_text())
     acc = {(r["checkpoint"], r["concurrency"]): r["acceptance_rate"] for r in rows if r["mode"] == "K=3 d=2"}
     for c in (1, 3):
         assert acc[("0.03", c)] > acc[("1.0", c)] + 0.2, acc
     plain = [r for r in rows if r["mode"] == "plain"]
-    assert all(r["speedup"] == 1.0 and r["core_calls_per_token"] > 0 for r in plain)
+    assert all(r["speedup"] == 1.0 and r["round_speedup"] == [1.0, 1.0] and r["core_calls_per_token"] > 0 for r in plain)
+    assert all(len(r["round_tps"]) == 2 and min(r["round_speedup"]) <= r["speedup"] <= max(r["round_speedup"])
+               for r in rows)  # fmt: skip
     loops = {(r["concurrency"], r["mode"]): r["mean_loops"] for r in rows if r["mode"].startswith("q=")}
     for c in (1, 3):
         assert loops[(c, "q=1")] == 4.0 and loops[(c, "q=0.6")] < 3.5, loops
