@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import random
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import pytest
@@ -46,9 +47,12 @@ def _workload(seed: int, n: int = 12) -> list[Req]:
     return reqs
 
 
-def _drive(path: str, async_: bool, reqs: list[Req], device: str = "cpu", **kw) -> tuple[dict, LLMEngine]:
+def _drive(path: str, async_: bool, reqs: list[Req], device: str = "cpu",
+           setup: Callable[[LLMEngine], None] | None = None, **kw) -> tuple[dict, LLMEngine]:  # fmt: skip
     """Run the workload; aborts follow what the client has seen, as a real client's would."""
     e = LLMEngine(path, dtype="float32", device=device, skip_tokenizer_init=True, async_scheduling=async_, **kw)
+    if setup is not None:
+        setup(e)
     done, seen, step = {}, {}, 0
     last_arrival = max(r.arrive for r in reqs)
     while step <= last_arrival or e.has_unfinished_requests():
@@ -215,6 +219,44 @@ def test_fallback_for_speculation_and_early_exit(tmp_checkpoint):
         a = engines[True].async_step
         assert a.num_sync_steps > 0 and a.last_fallback is not None
         assert ("speculative" in a.last_fallback) if not adaptive else ("early exit" in a.last_fallback)
+
+
+def test_adaptive_speculation_pipelines_while_off(tmp_checkpoint):
+    """With adaptive K configured, steps the controller keeps plain run pipelined; a step where it
+    starts a round, and the round's draft and verify steps, run synchronously. Greedy tokens equal
+    plain synchronous decoding (self-speculation is lossless for greedy) and every page returns."""
+    path = tmp_checkpoint("ouro")
+    rng = random.Random(3)
+    reqs = [Req([rng.randrange(3, VOCAB) for _ in range(rng.randrange(2, 20))],
+                SamplingParams(temperature=0.0, max_tokens=rng.randrange(6, 16), ignore_eos=True, logprobs=0),
+                rng.randrange(0, 8), 4 if i == 3 else None) for i in range(8)]  # fmt: skip
+    want, _ = _drive(path, False, reqs, **POOL)
+
+    def every_fifth_step(e: LLMEngine) -> None:  # the controller's decision made deterministic
+        spec = e.scheduler.spec
+        spec.choose = lambda batch=1: (2, 1) if spec._steps % 5 == 0 else (0, 1)
+
+    got, e = _drive(path, True, reqs, setup=every_fifth_step, **POOL, num_speculative_tokens=2,
+                    speculative_adaptive=True)  # fmt: skip
+    _assert_same(got, want)
+    a, st = e.async_step, e.stats()
+    assert a.num_readbacks > 0 and a.num_sync_steps > 0 and "speculative" in a.last_fallback
+    assert st.num_spec_drafts > 0  # rounds ran between the pipelined steps
+
+
+def test_paused_speculation_schedules_plain_rows(tmp_checkpoint):
+    """An asynchronous step never starts a round, even if the controller's answer changed since
+    the fallback check (the batch moved): its rows are plain decode rows."""
+    e = LLMEngine(tmp_checkpoint("ouro"), dtype="float32", device="cpu", skip_tokenizer_init=True,
+                  num_speculative_tokens=2, speculative_adaptive=True)  # fmt: skip
+    e.scheduler.spec.choose = lambda batch=1: (2, 1)
+    e.add_request("a", [5, 6, 7], SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True))
+    while not any(seq.decoding for seq in e.scheduler.running):
+        e.step()
+    assert e.scheduler.wants_speculation()
+    e.scheduler.spec_paused = True
+    rows = e.scheduler.schedule().rows
+    assert rows and all(span.kind == "normal" for _, span in rows)
 
 
 def test_async_after_fallback_resumes_pipelining(tmp_checkpoint):

@@ -108,7 +108,7 @@ class AsyncStep:
     def fallback_reason(self) -> str | None:
         """Why the next step must see the previous step's tokens on the host (None: it need not)."""
         e = self.engine
-        if e.scheduler.spec is not None:
+        if e.scheduler.wants_speculation():
             return "self-speculative decoding drafts, verifies and accepts tokens on the host"
         if e.handoff.num_held:
             return "prefill/decode handoff samples first tokens and ships states on the host"
@@ -127,10 +127,18 @@ class AsyncStep:
             self.num_sync_steps += 1
             self.last_fallback = reason
             return outputs + self.resolve() + e._sync_step()
-        begun, sched = e._begin_step(in_flight=self.inflight is not None)
+        spec = e.scheduler.spec  # adaptive K while it is off: plain steps are timed as they run here
+        started = spec.clock() if spec is not None else 0.0
+        e.scheduler.spec_paused = True  # in case the batch changed since fallback_reason asked
+        try:
+            begun, sched = e._begin_step(in_flight=self.inflight is not None)
+        finally:
+            e.scheduler.spec_paused = False
         outputs += begun
         if sched is None:
             return outputs + self.resolve()
+        if spec is not None:
+            spec.start_step(sched.rows, started)
         e.runner.pending = self.inflight.pending if self.inflight is not None else None
         try:
             result = e._execute(sched)
@@ -147,6 +155,8 @@ class AsyncStep:
                 seq.output_token_ids.append(PLACEHOLDER_TOKEN)
                 seq.num_pending_tokens = 1
             self.inflight = new if live else None
+        if spec is not None:
+            spec.end_step()  # one pipelined step's period: what a plain token costs here
         return outputs
 
     def resolve(self) -> list[RequestOutput]:

@@ -67,6 +67,7 @@ class Scheduler:
         self.salt = salt
         self.max_model_len = max_model_len
         self.spec: SpecController | None = None  # set by the engine when self-speculation is on
+        self.spec_paused = False  # set around asynchronous steps: they decode plainly (see wants_speculation)
         self.waiting: list[Sequence] = []  # sorted by order_key
         self.running: list[Sequence] = []
         self.num_swap_preemptions = 0
@@ -131,12 +132,23 @@ class Scheduler:
         start = seq.num_computed
         return Span(start, start + k, depth=depth, hidden=hidden, injected=injected, kind="verify")
 
+    def wants_speculation(self) -> bool:
+        """Whether the next step may draft or verify: a round is under way, or the controller
+        would start one at this batch size. Otherwise it is plain decoding, which asynchronous
+        scheduling can pipeline even with (adaptive) speculation configured."""
+        if self.spec is None:
+            return False
+        if any(seq.spec_round is not None or seq.drafts or seq.draft_spans for seq in self.running):
+            return True
+        return self.spec.choose(sum(1 for seq in self.running if seq.decoding))[0] > 0
+
     def _spec_round(self, seq: Sequence, batch: int) -> tuple[int, int]:
         """(K, draft depth) for `seq`: fixed for a round once its first draft starts; K = 0 turns
-        speculation off (no controller, adaptive depth, no tokens left, or not worth it)."""
+        speculation off (no controller, adaptive depth, paused for an asynchronous step, no tokens
+        left, or not worth it)."""
         if seq.spec_round is not None:
             return seq.spec_round
-        if self.spec is None or seq.adaptive:
+        if self.spec is None or seq.adaptive or self.spec_paused:
             return 0, 0
         k, depth = self.spec.choose(batch)
         left = (seq.params.max_tokens or self.max_model_len) - len(seq.output_token_ids)
