@@ -18,6 +18,7 @@ from triton.testing import do_bench
 
 from rlt_serve.attention.backend import RowSpec, get_attention_backend
 from rlt_serve.attention.flash_backend import write_kv
+from rlt_serve.engine.cuda_graph import capture
 from rlt_serve.engine.kv_cache import KVCache
 
 HEADS, KV_HEADS, HEAD_DIM, LAYERS, LOOPS, PAGE = 16, 16, 128, 24, 4, 16
@@ -28,16 +29,7 @@ DEV, DT = torch.device("cuda"), torch.bfloat16
 def device_us(fn, reps: int = 20) -> float:
     """Kernel time of one call: `reps` calls captured in a CUDA graph and replayed, so the Python
     launch overhead (larger than the kernel at small shapes) is not what is timed."""
-    fn()  # compile
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        fn()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(reps):
-            fn()
+    graph, _ = capture(lambda: [fn() for _ in range(reps)])
     return 1e3 * do_bench(graph.replay) / reps
 
 

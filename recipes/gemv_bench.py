@@ -17,6 +17,7 @@ import time
 import torch
 import torch.nn.functional as F
 
+from rlt_serve.engine.cuda_graph import capture
 from rlt_serve.models import fused_ops
 from rlt_serve.models.gemv import GemvConfig, default_config, gemv
 
@@ -67,12 +68,7 @@ CANDIDATES = {
 
 def time_graph(fn, xs: torch.Tensor, weights: list[torch.Tensor]) -> float:
     """µs per call: CALLS calls cycling over the weight copies, captured once, replayed."""
-    fn(xs, weights[0])  # compile / pick the cuBLAS kernel outside the capture
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for i in range(CALLS):
-            fn(xs, weights[i % len(weights)])
+    graph, _ = capture(lambda: [fn(xs, weights[i % len(weights)]) for i in range(CALLS)])
     graph.replay()
     torch.cuda.synchronize()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)

@@ -10,6 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from rlt_serve.engine.cuda_graph import capture
 from rlt_serve.models import fused_ops
 from rlt_serve.models import gemv as gemv_mod
 from rlt_serve.models.gemv import gemv
@@ -59,11 +60,7 @@ def test_gemv_graph_replay_equals_eager():
             c = gemv_mod.linear(gemv_mod.gate_up_silu(b, gu), down)
             return a, b, c
 
-        eager = step()
-        torch.cuda.synchronize()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            captured = step()
+        graph, captured = capture(step)
         x.copy_(torch.randn(m, 2048, generator=g, **bf))  # the replay reads the new input
         eager = step()
         graph.replay()

@@ -9,21 +9,13 @@ imports triton lazily, so no earlier test module has imported it in compiled mod
 
 from __future__ import annotations
 
-import importlib.util
-import os
 import random
-import sys
 
 import pytest
 import torch
+from triton_interpreter import select as select_interpreter
 
-if importlib.util.find_spec("triton") is None:
-    pytest.skip("triton is not installed (pip install 'triton==3.6.*' 'numpy<2.4')", allow_module_level=True)
-if torch.cuda.is_available():
-    pytest.skip("a CUDA device is present: tests/test_gpu.py runs the compiled kernels", allow_module_level=True)
-if "triton" in sys.modules and os.environ.get("TRITON_INTERPRET") != "1":
-    pytest.fail("triton was imported in compiled mode before this module could select its interpreter")
-os.environ["TRITON_INTERPRET"] = "1"
+select_interpreter("tests/test_gpu.py")
 
 # The interpreter reads loop bounds with int() of a one-element array, which numpy deprecates.
 pytestmark = pytest.mark.filterwarnings("ignore:Conversion of an array with ndim:DeprecationWarning")

@@ -52,7 +52,7 @@ def graph_support(runner: "ModelRunner") -> str | None:
     return None
 
 
-def capture(forward: Callable[[], T], pool: tuple) -> tuple[torch.cuda.CUDAGraph, T]:
+def capture(forward: Callable[[], T], pool: tuple | None = None) -> tuple[torch.cuda.CUDAGraph, T]:
     """Record `forward` as a graph in `pool`, after one run on a side stream that compiles the
     kernels and warms cuBLAS outside it; returns the graph and its (static) outputs."""
     side = torch.cuda.Stream()
