@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
 from rlt_serve.sampling_params import SamplingParams
@@ -112,37 +112,16 @@ class Generation:
 
     # -- admission and dispatch -------------------------------------------------------------
     async def start(self) -> None:
-        """Reserve every choice's credits, then dispatch them all."""
-        timeout = self.deadline - time.time()
+        """Reserve every choice's credits, then dispatch them all.
+
+        Each ticket is stored on its choice the moment it is granted, so `close()` returns it
+        even when the caller is cancelled between the grant and this coroutine resuming; one
+        granted after `close()` is returned at once, and a closed generation dispatches nothing."""
         role = "decode" if self.pd is not None else None
-        results = await asyncio.gather(
-            *(
-                self.admission.acquire(c.request_id, c.footprint, self.priority, self.worker_id, timeout, role)
-                for c in self.choices
-            ),
-            return_exceptions=True,
-        )
-        failure: BaseException | None = None
-        for c, r in zip(self.choices, results):
-            if isinstance(r, BaseException):
-                failure = failure or r
-            else:
-                c.ticket = r
-        if failure is None and self.pd is not None:  # decode first, then prefill: no cyclic wait
-            timeout = self.deadline - time.time()
-            results = await asyncio.gather(
-                *(
-                    self.admission.acquire(c.request_id, len(c.prompt_ids), self.priority, self.prefill_worker_id,
-                                           timeout, "prefill")  # fmt: skip
-                    for c in self.choices
-                ),
-                return_exceptions=True,
-            )
-            for c, r in zip(self.choices, results):
-                if isinstance(r, BaseException):
-                    failure = failure or r
-                else:
-                    c.prefill_ticket = r
+        failure = await self._acquire_all("ticket", lambda c: (c.footprint, self.worker_id, role))
+        if failure is None and self.pd is not None and not self._closed:  # decode first, then prefill: no cyclic wait
+            failure = await self._acquire_all("prefill_ticket",
+                                              lambda c: (len(c.prompt_ids), self.prefill_worker_id, "prefill"))  # fmt: skip
         if failure is not None:
             self.close()
             if isinstance(failure, Overloaded):
@@ -151,6 +130,8 @@ class Generation:
             if isinstance(failure, NoCapacity):
                 raise APIError(503, str(failure), code="no_worker")
             raise failure
+        if self._closed:  # closed while it waited: every ticket has been returned
+            return
         queued = time.monotonic() - self.arrival
         for c in self.choices:
             self.metrics.queue_time.observe(queued)
@@ -166,6 +147,23 @@ class Generation:
                 continue
             msg = Submit(c.request_id, c.prompt_ids, sampling, deadline=self.deadline, priority=self.priority)
             self.pool.submit(c.ticket.worker_id, msg, self._sink)
+
+    async def _acquire_all(
+        self, slot: str, what: Callable[[Choice], tuple[int, str | None, str | None]]
+    ) -> BaseException | None:
+        """One ticket per choice into `choice.<slot>`; the first failure, or None."""
+
+        async def take(c: Choice) -> None:
+            num_tokens, worker_id, role = what(c)
+            ticket = await self.admission.acquire(c.request_id, num_tokens, self.priority, worker_id,
+                                                  self.deadline - time.time(), role)  # fmt: skip
+            if self._closed:
+                self.admission.release(ticket)
+            else:
+                setattr(c, slot, ticket)
+
+        results = await asyncio.gather(*(take(c) for c in self.choices), return_exceptions=True)
+        return next((r for r in results if isinstance(r, BaseException)), None)
 
     # -- the stream -------------------------------------------------------------------------
     async def events(self) -> AsyncIterator[ChoiceEvent]:

@@ -58,25 +58,34 @@ class Server(router_support.Server):
         return self.http.get("/health").json()["workers"]
 
     def idle(self) -> bool:
-        """Every credit, ticket, stream and handoff back; every live worker's pools full."""
+        return not self.busy()
+
+    def busy(self) -> list[str]:
+        """What is still held: credits, tickets, streams, handoffs, a live worker's pages or slots."""
         m = self.metrics()
         router = ("rlt:router_tickets", "rlt:router_streams", "rlt:router_queue_length")
-        if any(m.get(k, 0) for k in router) or any(v for k, v in m.items() if k.startswith("rlt:pd_requests{")):
-            return False
-        if any(v for k, v in m.items() if k.startswith(("rlt:credits_reserved_", "rlt:role_credits_reserved_"))):
-            return False
-        for w in self.workers().values():
+        held = [f"{k}={m[k]:g}" for k in router if m.get(k, 0)]
+        held += [f"{k}={v:g}" for k, v in m.items()
+                 if v and k.startswith(("rlt:pd_requests{", "rlt:credits_reserved_", "rlt:role_credits_reserved_"))]  # fmt: skip
+        for wid, w in self.workers().items():
             if w["status"] == "dead":
                 continue
-            if "free_pages" not in w or w["free_pages"] != w["total_pages"] or w["free_slots"] != w["total_slots"]:
-                return False
-            if w["running"] or w["waiting"] or w.get("reservations") or w.get("transfers"):
-                return False
-        return True
+            if "free_pages" not in w:
+                held.append(f"{wid}: no capacity report")
+                continue
+            for k in ("running", "waiting", "reservations", "transfers"):
+                if w.get(k):
+                    held.append(f"{wid}: {k}={w[k]}")
+            if w["free_pages"] != w["total_pages"] or w["free_slots"] != w["total_slots"]:
+                held.append(f"{wid}: pages {w['free_pages']}/{w['total_pages']} slots {w['free_slots']}/{w['total_slots']}")
+        return held
 
     def assert_idle(self, timeout: float = 20.0) -> None:
         """Wait for `idle`, then check the workers' own gauges agree (state slots, held, in flight)."""
-        self.wait_for(self.idle, timeout, "every pool, credit and registration back to its initial count")
+        try:
+            self.wait_for(self.idle, timeout, "every pool, credit and registration back to its initial count")
+        except AssertionError as e:
+            raise AssertionError(f"still held: {self.busy()}\n{e}") from None
         regs = {w["registrations"] for w in self.workers().values() if w["status"] != "dead" and w["role"] != "both"}
         assert regs <= {3}, regs  # K, V and the final-state buffer, registered once each
 
@@ -95,11 +104,15 @@ class Server(router_support.Server):
 
 @contextmanager
 def launch(model: str, *args: str, ready_timeout: float = 120.0, env: dict | None = None) -> Iterator[Server]:
-    """`rlt-serve launch --model MODEL ARGS...` until /health is 200; SIGTERM (then SIGKILL) after."""
+    """`rlt-serve launch --model MODEL ARGS...` until every worker is warm; SIGTERM (then SIGKILL) after."""
     cmd = [sys.executable, "-m", "rlt_serve.cli", "launch", "--model", model, "--served-model-name", "m",
            "--device", "cpu", "--port", "0", *args]  # fmt: skip
     with router_support.serve(cmd, Server, ready_timeout, ready_marker="health:",
                               env={**os.environ, "UCX_NET_DEVICES": "lo", **(env or {})}) as server:  # fmt: skip
+        # /health is 200 once one worker of each role is warm; the others' warm-up handoffs
+        # would still hold credits while the first test counts them.
+        server.wait_for(lambda: all(w["status"] == "ready" for w in server.workers().values()), ready_timeout,
+                        "every worker warmed up")  # fmt: skip
         yield server
 
 

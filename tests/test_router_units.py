@@ -231,6 +231,33 @@ async def test_deadline_ends_the_request_and_returns_credits() -> None:
     assert pool.aborted == ["req-0"] and a.workers["w"].reserved_slots == 0 and a.outstanding() == []
 
 
+@pytest.mark.parametrize("ticks", range(8))
+async def test_client_gone_while_admitted_returns_every_credit(ticks: int) -> None:
+    """The client goes away `ticks` loop turns after its credits were granted (the window in which
+    the grant may be done but `start` not yet resumed): as in serving, the task is cancelled and
+    the generation closed at once. Nothing stays reserved and nothing is dispatched."""
+    gen, pool, a = _generation(5.0)
+    blocker = await a.acquire("blocker", 16 * 10)  # every page: the request must wait
+    task = asyncio.ensure_future(gen.start())
+    for _ in range(10):
+        if a.queue_length:
+            break
+        await asyncio.sleep(0)
+    assert a.queue_length == 1
+    a.release(blocker)  # granted now
+    for _ in range(ticks):
+        await asyncio.sleep(0)
+    task.cancel()
+    gen.close()
+    await asyncio.gather(task, return_exceptions=True)
+    w = a.workers["w"]
+    assert (w.reserved_pages, w.reserved_slots, a.outstanding()) == (0, 0, [])
+    if not task.cancelled():  # it had already finished starting: then close() aborted it
+        assert pool.aborted == pool.sent == ["req-0"]
+    else:
+        assert pool.sent == []
+
+
 async def test_stop_string_aborts_the_worker_request_at_once() -> None:
     gen, pool, a = _generation(5.0, stop=["cd"])
     await gen.start()
