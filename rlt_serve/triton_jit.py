@@ -15,6 +15,7 @@ import sys
 from typing import Any
 
 _JITTED: dict[tuple[str, str, bool], Any] = {}
+_PDL: dict[int, bool] = {}
 
 
 def jit(fn: Any) -> Any:
@@ -39,3 +40,23 @@ def triton_missing() -> str | None:
     if importlib.util.find_spec("triton") is None:
         return "the 'triton' package is not installed (pip install 'triton==3.6.*')"
     return None
+
+
+def pdl(x: Any) -> dict[str, bool]:
+    """Launch options for programmatic dependent launch (PDL) of a kernel on `x`'s device.
+
+    At concurrency 1 a decode step is ~1000 short kernels, each paying a launch and a ramp-up
+    while the GPU drains the previous one. With PDL (Hopper and newer) a kernel is launched while
+    its predecessor still runs: it may read weights early, and must `gdc_wait()` before touching
+    anything an earlier kernel wrote. Kernels take a `PDL` constexpr: at its start
+    `gdc_launch_dependents()`, then weight loads, `gdc_wait()`, the rest. `RLT_PDL=0` turns it off.
+    """
+    on = False
+    if getattr(x, "is_cuda", False) and os.environ.get("RLT_PDL", "1") != "0":
+        index = x.device.index if x.device.index is not None else 0
+        if index not in _PDL:
+            import torch
+
+            _PDL[index] = torch.version.cuda is not None and torch.cuda.get_device_capability(index)[0] >= 9
+        on = _PDL[index]
+    return {"PDL": on, "launch_pdl": on}

@@ -28,7 +28,7 @@ import torch
 from rlt_serve.attention.backend import AttentionBackend, AttentionMetadata
 from rlt_serve.engine.kv_cache import KVCache
 from rlt_serve.host_copy import to_device
-from rlt_serve.triton_jit import jit, next_pow2, triton_missing
+from rlt_serve.triton_jit import jit, next_pow2, pdl, triton_missing
 
 triton: Any = None  # bound on first launch by rlt_serve.triton_jit.jit
 tl: Any = None
@@ -40,9 +40,12 @@ _ROW_FIELDS = 4  # q_start, num_query, start_pos, depth_slot
 def _write_kv_kernel(
     k_ptr, v_ptr, k_cache, v_cache, slot_ptr, depth_ptr, mask_ptr,
     plane_base, stride_t, stride_plane, stride_slot,
-    WIDTH: tl.constexpr, BLOCK: tl.constexpr, HAS_MASK: tl.constexpr,
+    WIDTH: tl.constexpr, BLOCK: tl.constexpr, HAS_MASK: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     """One program per token: copy its `kv_heads * head_dim` K and V values into its plane."""
+    if PDL:
+        tl.extra.cuda.gdc_launch_dependents()
+        tl.extra.cuda.gdc_wait()
     t = tl.program_id(0)
     offs = tl.arange(0, BLOCK)
     ok = offs < WIDTH
@@ -63,10 +66,13 @@ def _attention_kernel(
     stride_plane, stride_page, stride_slot, stride_kvh, stride_table,
     GROUP: tl.constexpr, GROUP_P: tl.constexpr, TOK_M: tl.constexpr,
     HEAD_D: tl.constexpr, HEAD_DP: tl.constexpr, BLOCK_N: tl.constexpr,
-    PAGE_SIZE: tl.constexpr, PRECISION: tl.constexpr, SPLIT: tl.constexpr,
+    PAGE_SIZE: tl.constexpr, PRECISION: tl.constexpr, SPLIT: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     """Program (tile, kv_head, split): causal attention of one tile's queries over its row's plane,
     or (SPLIT) over split `s` of the key blocks, leaving unnormalised partials for the combine."""
+    if PDL:
+        tl.extra.cuda.gdc_launch_dependents()
+        tl.extra.cuda.gdc_wait()
     tile = tl.program_id(0)
     kvh = tl.program_id(1)
     row = tl.load(tiles_ptr + 2 * tile)
@@ -139,7 +145,7 @@ def _decode_mha_kernel(
     stride_qt, stride_qh, stride_ot, stride_oh,
     stride_plane, stride_page, stride_slot, stride_kvh, stride_table,
     HEAD_D: tl.constexpr, HEAD_DP: tl.constexpr, BLOCK_N: tl.constexpr,
-    PAGE_SIZE: tl.constexpr, SPLIT: tl.constexpr, HEADS_FIRST: tl.constexpr,
+    PAGE_SIZE: tl.constexpr, SPLIT: tl.constexpr, HEADS_FIRST: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     """Program (row, head, split) of a one-query-per-row call without GQA: the score of a key is
     a dot product of two vectors, so no matrix-multiply tile is padded out from one query row to
@@ -147,6 +153,9 @@ def _decode_mha_kernel(
     flight. Same online softmax, same bf16 rounding of p, same split partials as the tiled kernel.
     HEADS_FIRST puts the head on the fastest grid axis: the programs running side by side are then
     the heads of one row, which together read each key's contiguous [heads, head_dim] block."""
+    if PDL:
+        tl.extra.cuda.gdc_launch_dependents()
+        tl.extra.cuda.gdc_wait()
     row = tl.program_id(1) if HEADS_FIRST else tl.program_id(0)
     head = tl.program_id(0) if HEADS_FIRST else tl.program_id(1)
     q_row = tl.load(rows_ptr + 4 * row).to(tl.int64)
@@ -196,9 +205,12 @@ def _decode_mha_kernel(
 
 def _combine_kernel(
     o_ptr, part_acc, part_ml, num_splits, cells, stride_ot, stride_oh,
-    HEAD_D: tl.constexpr, HEAD_DP: tl.constexpr, SPLITS_P: tl.constexpr,
+    HEAD_D: tl.constexpr, HEAD_DP: tl.constexpr, SPLITS_P: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     """Program (token, head): merge the splits' partial softmax sums into the output."""
+    if PDL:
+        tl.extra.cuda.gdc_launch_dependents()
+        tl.extra.cuda.gdc_wait()
     t = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
     cell = t * tl.num_programs(1) + h
@@ -297,7 +309,7 @@ class TritonAttentionBackend(AttentionBackend):
             k, v, k_flat, v_flat, meta.slot_mapping, meta.token_depth_slot,
             data.write_mask if data.write_mask is not None else meta.slot_mapping,
             kv.plane_base(layer), k.stride(0), k_flat.stride(0), k_flat.stride(1),
-            WIDTH=width, BLOCK=next_pow2(width), HAS_MASK=data.write_mask is not None,
+            WIDTH=width, BLOCK=next_pow2(width), HAS_MASK=data.write_mask is not None, **pdl(k),
         )  # fmt: skip
 
     def num_splits(self, programs: int, max_context: int, device: torch.device) -> int:
@@ -338,7 +350,7 @@ class TritonAttentionBackend(AttentionBackend):
                 q.stride(0), q.stride(1), out.stride(0), out.stride(1),
                 k_pages.stride(0), k_pages.stride(1), k_pages.stride(2), k_pages.stride(3), data.table.stride(0),
                 HEAD_D=head_dim, HEAD_DP=head_dp, BLOCK_N=self.block_n, PAGE_SIZE=kv.page_size, SPLIT=splits > 1,
-                HEADS_FIRST=self.heads_first, num_warps=self.num_warps, **({} if self.num_stages is None else {"num_stages": self.num_stages}),
+                HEADS_FIRST=self.heads_first, num_warps=self.num_warps, **pdl(q), **({} if self.num_stages is None else {"num_stages": self.num_stages}),
             )  # fmt: skip
             return self._combine(out, part_acc, part_ml, splits, t, heads, head_dim, head_dp)
         tiles, num_tiles = data.tiles_for(tok_m, kv.device)
@@ -353,7 +365,7 @@ class TritonAttentionBackend(AttentionBackend):
             GROUP=group, GROUP_P=group_p, TOK_M=tok_m, HEAD_D=head_dim, HEAD_DP=head_dp,
             BLOCK_N=self.block_n if head_dp <= 64 or block_m <= 16 else self.block_n // 2,
             PAGE_SIZE=kv.page_size, PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-            SPLIT=splits > 1, num_warps=self.num_warps,
+            SPLIT=splits > 1, num_warps=self.num_warps, **pdl(q),
             **({} if self.num_stages is None else {"num_stages": self.num_stages}),
         )  # fmt: skip
         return self._combine(out, part_acc, part_ml, splits, t, heads, head_dim, head_dp)
@@ -372,7 +384,7 @@ class TritonAttentionBackend(AttentionBackend):
         if splits > 1:
             jit(_combine_kernel)[(t, heads)](
                 out, part_acc, part_ml, splits, t * heads, out.stride(0), out.stride(1),
-                HEAD_D=head_dim, HEAD_DP=head_dp, SPLITS_P=max(2, next_pow2(splits)),
+                HEAD_D=head_dim, HEAD_DP=head_dp, SPLITS_P=max(2, next_pow2(splits)), **pdl(out),
             )  # fmt: skip
         return out
 

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from rlt_serve.triton_jit import jit, next_pow2, triton_missing
+from rlt_serve.triton_jit import jit, next_pow2, pdl, triton_missing
 
 triton: Any = None  # bound on first launch by rlt_serve.triton_jit.jit
 tl: Any = None
@@ -30,20 +30,28 @@ def use_triton(x: torch.Tensor) -> bool:
 def _add_norm_kernel(
     x_ptr, res_ptr, h_ptr, y_ptr, w_pre, w_post, n_cols, eps_pre, eps_post,
     stride_x, stride_r, stride_h, stride_y,
-    HAS_PRE: tl.constexpr, HAS_RES: tl.constexpr, HAS_POST: tl.constexpr, BLOCK: tl.constexpr,
+    HAS_PRE: tl.constexpr, HAS_RES: tl.constexpr, HAS_POST: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     """One row: t = pre(x) or x; h = res + t (stored); y = post(h) (stored). A norm is fp32
-    normalise, round to the dtype, then scale by the weight and round again."""
+    normalise, round to the dtype, then scale by the weight and round again. With PDL the norm
+    weights load before waiting for the kernels that wrote x and res."""
+    if PDL:
+        tl.extra.cuda.gdc_launch_dependents()
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < n_cols
+    if HAS_PRE:
+        w_1 = tl.load(w_pre + cols, mask=mask, other=0.0)
+    if HAS_POST:
+        w_2 = tl.load(w_post + cols, mask=mask, other=0.0)
+    if PDL:
+        tl.extra.cuda.gdc_wait()
     x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0)
     dt = x.dtype
     if HAS_PRE:
         xf = x.to(tl.float32)
         y = (xf * tl.math.rsqrt(tl.sum(xf * xf, 0) / n_cols + eps_pre)).to(dt)
-        w = tl.load(w_pre + cols, mask=mask, other=0.0)
-        x = (w.to(tl.float32) * y.to(tl.float32)).to(dt)
+        x = (w_1.to(tl.float32) * y.to(tl.float32)).to(dt)
     if HAS_RES:
         r = tl.load(res_ptr + row * stride_r + cols, mask=mask, other=0.0)
         x = (r.to(tl.float32) + x.to(tl.float32)).to(dt)
@@ -51,8 +59,7 @@ def _add_norm_kernel(
     if HAS_POST:
         xf = x.to(tl.float32)
         y = (xf * tl.math.rsqrt(tl.sum(xf * xf, 0) / n_cols + eps_post)).to(dt)
-        w = tl.load(w_post + cols, mask=mask, other=0.0)
-        tl.store(y_ptr + row * stride_y + cols, (w.to(tl.float32) * y.to(tl.float32)).to(dt), mask=mask)
+        tl.store(y_ptr + row * stride_y + cols, (w_2.to(tl.float32) * y.to(tl.float32)).to(dt), mask=mask)
 
 
 def _rows(x: torch.Tensor) -> torch.Tensor:
@@ -71,7 +78,7 @@ def _add_norm_triton(x, residual, pre, post):  # fmt: skip
         cols, pre.eps if pre is not None else 0.0, post.eps if post is not None else 0.0,
         x.stride(0), res.stride(0), h.stride(0), y.stride(0),
         HAS_PRE=pre is not None, HAS_RES=residual is not None, HAS_POST=post is not None,
-        BLOCK=next_pow2(cols), num_warps=4 if cols <= 4096 else 8,
+        BLOCK=next_pow2(cols), num_warps=4 if cols <= 4096 else 8, **pdl(x),
     )  # fmt: skip
     return h, y
 
@@ -114,9 +121,12 @@ def add_rms_norm(
 def _rope_kernel(
     q_ptr, k_ptr, cos_ptr, sin_ptr, n_q_heads,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_c,
-    HALF: tl.constexpr, BLOCK: tl.constexpr,
+    HALF: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     """Program (token, head): x*cos + rotate_half(x)*sin in place, rounding each product and the sum."""
+    if PDL:
+        tl.extra.cuda.gdc_launch_dependents()
+        tl.extra.cuda.gdc_wait()
     t = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
     if h < n_q_heads:
@@ -159,13 +169,16 @@ def _rope_triton(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch
     if t:
         jit(_rope_kernel)[(t, heads + k.shape[1])](
             q, k, cos2, sin2, heads, q.stride(0), q.stride(1), k.stride(0), k.stride(1), cos2.stride(0),
-            HALF=dim // 2, BLOCK=next_pow2(dim // 2), num_warps=1,
+            HALF=dim // 2, BLOCK=next_pow2(dim // 2), num_warps=1, **pdl(q),
         )  # fmt: skip
     return q, k
 
 
 # -- SiLU(gate) * up ----------------------------------------------------------------------------
-def _silu_mul_kernel(gu_ptr, out_ptr, n, stride_gu, stride_out, BLOCK: tl.constexpr):  # fmt: skip
+def _silu_mul_kernel(gu_ptr, out_ptr, n, stride_gu, stride_out, BLOCK: tl.constexpr, PDL: tl.constexpr):  # fmt: skip
+    if PDL:
+        tl.extra.cuda.gdc_launch_dependents()
+        tl.extra.cuda.gdc_wait()
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     m = cols < n
@@ -192,6 +205,6 @@ def _silu_mul_triton(gate_up: torch.Tensor) -> torch.Tensor:
     block = min(1024, next_pow2(n))
     if t:
         jit(_silu_mul_kernel)[(t, -(-n // block))](
-            gate_up, out, n, gate_up.stride(0), out.stride(0), BLOCK=block, num_warps=4
+            gate_up, out, n, gate_up.stride(0), out.stride(0), BLOCK=block, num_warps=4, **pdl(gate_up)
         )
     return out

@@ -30,7 +30,7 @@ import torch
 import torch.nn.functional as F
 
 from rlt_serve.models import fused_ops
-from rlt_serve.triton_jit import jit, next_pow2, triton_missing
+from rlt_serve.triton_jit import jit, next_pow2, pdl, triton_missing
 
 triton: Any = None  # bound on first launch by rlt_serve.triton_jit.jit
 tl: Any = None
@@ -55,11 +55,14 @@ def _gemv_kernel(
     x_ptr, w_ptr, y_ptr, part_ptr, M, N, K, k_split, split, up_off,
     stride_xm, stride_wn, stride_ym,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PARTIAL: tl.constexpr,
-    SILU: tl.constexpr, MODE: tl.constexpr,
+    SILU: tl.constexpr, MODE: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     """Program (n block, k split): outputs [n0, n0+BLOCK_N) over K range [s*k_split, (s+1)*k_split).
     With SILU, up rows sit `up_off` rows below the gate rows. PARTIAL stores fp32 partials
-    [split, M, N] (with SILU the up partials follow, another [split, M, N]) for _reduce_kernel."""
+    [split, M, N] (with SILU the up partials follow, another [split, M, N]) for _reduce_kernel.
+    With PDL the first W tile (MODE 0) is loaded before waiting for the kernel that wrote x."""
+    if PDL:
+        tl.extra.cuda.gdc_launch_dependents()
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -78,7 +81,23 @@ def _gemv_kernel(
     else:
         acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
         acc_u = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
-    for k0 in range(k_lo, k_lo + k_split, BLOCK_K):
+    k_start = k_lo
+    if PDL:
+        if MODE == 0:  # the first tile of W streams in while the previous kernel drains
+            ks = k_lo + tl.arange(0, BLOCK_K)
+            k_ok = ks < K
+            w_mask = n_ok[:, None] & k_ok[None, :]
+            w = tl.load(w_rows + ks[None, :], mask=w_mask, other=0.0)
+            if SILU:
+                wu = tl.load(w_rows + up_off * stride_wn + ks[None, :], mask=w_mask, other=0.0)
+        tl.extra.cuda.gdc_wait()
+        if MODE == 0:
+            x = tl.load(x_rows + ks[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+            acc += w.to(tl.float32) * x.to(tl.float32)
+            if SILU:
+                acc_u += wu.to(tl.float32) * x.to(tl.float32)
+            k_start = k_lo + BLOCK_K
+    for k0 in range(k_start, k_lo + k_split, BLOCK_K):
         ks = k0 + tl.arange(0, BLOCK_K)
         k_ok = ks < K
         x = tl.load(x_rows + ks[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
@@ -125,8 +144,13 @@ def _gemv_kernel(
             tl.store(part + split * M * N, out_u, mask=mask)
 
 
-def _reduce_kernel(part_ptr, y_ptr, M, N, split, stride_ym, SILU: tl.constexpr, BLOCK: tl.constexpr):  # fmt: skip
+def _reduce_kernel(
+    part_ptr, y_ptr, M, N, split, stride_ym, SILU: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr
+):  # fmt: skip
     """Program (row, n block): the fp32 partials added in split order, then the epilogue."""
+    if PDL:
+        tl.extra.cuda.gdc_launch_dependents()
+        tl.extra.cuda.gdc_wait()
     m = tl.program_id(0)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     ok = cols < N
@@ -196,12 +220,12 @@ def gemv(x: torch.Tensor, w: torch.Tensor, silu: bool = False, config: GemvConfi
     jit(_gemv_kernel)[(triton.cdiv(n, cfg.block_n), split)](
         x, w, y, part, m, n, k, k_split, split, n, x.stride(0), w.stride(0), y.stride(0),
         BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, PARTIAL=split > 1, SILU=silu, MODE=cfg.mode,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl(x),
     )  # fmt: skip
     if split > 1:
         block = min(1024, next_pow2(n))
         jit(_reduce_kernel)[(m, triton.cdiv(n, block))](
-            part, y, m, n, split, y.stride(0), SILU=silu, BLOCK=block, num_warps=4
+            part, y, m, n, split, y.stride(0), SILU=silu, BLOCK=block, num_warps=4, **pdl(x)
         )
     return y
 
