@@ -3,7 +3,7 @@
 # random Ouro-1.4B-shape bf16 checkpoint at concurrency 1 (with the dense reference) and 64
 # (128 prompts, plus a 16K-token prefill batch), graphs on and off. Logs to $OUT/gpu_perf.log.
 #   run(command="bash recipes/gpu_perf.sh", carry=[".whl"], timeout_s=600)
-# SHAPE=nanbeige-3b|huginn-0125 benches another family; TESTS='' skips pytest; BENCH='c1 c64 eager'
+# SHAPE=nanbeige4.2-3b|huginn-0125 benches another family; TESTS='' skips pytest; BENCH='c1 c64 eager'
 # picks the bench set (c1async, c64async: c1, c64 with --async-scheduling, to compare side by side).
 # .whl holds msgspec and pyzmq cp312 wheels (the CLI imports the launcher).
 set -uo pipefail
@@ -24,7 +24,7 @@ RLT="python3 -m rlt_serve.cli"
 CK=$!
 if [ -n "$TESTS" ]; then
   echo "=== pytest -m gpu -k '$TESTS'"; t0=$SECONDS
-  timeout 240 python3 -m pytest -m gpu -q -p no:cacheprovider tests/test_gpu.py -k "$TESTS" 2>&1 | tail -25
+  timeout 420 python3 -m pytest -m gpu -q -p no:cacheprovider tests/test_gpu.py -k "$TESTS" 2>&1 | tail -25
   echo "=== pytest: $((SECONDS - t0))s"
 fi
 wait $CK; cat "$OUT/ckpt.txt" 2>/dev/null
