@@ -90,7 +90,7 @@ def sweep() -> None:
         v = torch.randn_like(k)
         floor_us = 1e6 * sum(r.end_pos for r in rows) * 2 * KV_HEADS * HEAD_DIM * 2 / BW
         configs = [(k, *c) for k in ("vector", "vec-rows") for c in itertools.product((64, 128), (2, 4), (2, 3))]
-        configs += [("tiled", 64, 4, 3), ("tiled", 64, 8, 2)]
+        configs += [("tiled", *c) for c in itertools.product((32, 64, 128), (4, 8), (2, 3, 4))]
         for kernel, block_n, warps, stages in configs:
             T.decode_mha, T.heads_first = kernel != "tiled", kernel == "vector"
             T.block_n, T.num_warps, T.num_stages = block_n, warps, stages
