@@ -5,6 +5,7 @@ concurrency 1 and 64 with ~576 tokens of context, and a 8192-token prefill of 16
 and the KV write alone (Triton kernel vs torch index_copy_), against bandwidth/FLOP floors.
 Usage: python recipes/attn_microbench.py [backend ...]
        python recipes/attn_microbench.py --sweep   (Triton decode: block_n x num_warps x num_stages)
+       python recipes/attn_microbench.py --sweep-splits   (c=1 decode: kernel x split-KV key range)
 """
 
 from __future__ import annotations
@@ -103,8 +104,35 @@ def sweep() -> None:
                 continue
             print(f"{name:<24}{kernel:>8}{block_n:>8}{warps:>6}{stages:>7}{us:>9.1f}{floor_us / us:>9.1%}")
 
+
+def sweep_splits() -> None:
+    """Concurrency-1 decode is latency-bound: which kernel and how many keys per split-KV program
+    (`min_split_keys`, so the number of splits) are fastest at short and long contexts."""
+    from rlt_serve.attention.triton_backend import TritonAttentionBackend as T
+
+    kv = KVCache([LOOPS] * 8, 64 * 41 + 64 + 1024, PAGE, KV_HEADS, HEAD_DIM, DT, DEV)
+    free = list(range(kv.num_pages))
+    random.Random(1).shuffle(free)
+    q, k = (torch.randn(1, h, HEAD_DIM, device=DEV, dtype=DT) for h in (HEADS, KV_HEADS))
+    v = torch.randn_like(k)
+    print(f"{'context':>8}{'kernel':>9}{'split keys':>11}{'splits':>7}{'us':>8}{'of floor':>9}")
+    for ctx in (576, 2048, 8192):
+        rows = [RowSpec(1, ctx - 1, 2, free[: -(-ctx // PAGE)])]
+        floor_us = 1e6 * ctx * 2 * KV_HEADS * HEAD_DIM * 2 / BW
+        for kernel, split_keys in itertools.product(("tiled", "vector", "vec-rows"), (32, 64, 128, 256, 10**6)):
+            T.decode_mha, T.heads_first = kernel != "tiled", kernel == "vector"
+            T.min_split_keys, T.max_splits = split_keys, 64
+            backend = get_attention_backend("triton", DEV, DT, PAGE)
+            meta = backend.prepare(rows, kv)
+            splits = backend.num_splits(HEADS, ctx, DEV)
+            us = device_us(lambda b=backend, m=meta: b.forward(q, k, v, kv, 5, m, HEAD_DIM**-0.5))  # noqa: B023
+            print(f"{ctx:>8}{kernel:>9}{split_keys:>11}{splits:>7}{us:>8.1f}{floor_us / us:>9.1%}")
+
+
 if __name__ == "__main__":
     if sys.argv[1:] == ["--sweep"]:
         sweep()
+    elif sys.argv[1:] == ["--sweep-splits"]:
+        sweep_splits()
     else:
         main(sys.argv[1:] or ["torch", "triton", "flash-attn"])

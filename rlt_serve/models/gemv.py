@@ -177,7 +177,7 @@ def default_config(m: int, n: int, k: int, silu: bool) -> GemvConfig:
     if silu:  # gate|up, 64 or 128 output columns a program, W @ x^T on the tensor cores
         if k >= 3072:
             return GemvConfig(128, 64, 1, mode=2, num_warps=4, num_stages=5)  # Nanbeige 3904 (3755)
-        return GemvConfig(64, 128, 1, mode=2, num_warps=4, num_stages=4)  # Ouro 3494 (3106 + silu_mul)
+        return GemvConfig(64, 64, 1, mode=2, num_warps=4, num_stages=6)  # Ouro 3650 (3036 + silu_mul), 12-04 with PDL
     if m == 1:
         if rows <= 4096:  # o_proj, down: longer rows, so more bytes in flight per program
             return GemvConfig(8, 1024, 1, mode=0, num_warps=8, num_stages=1)  # Ouro o 1975 (1381), down 2825 (2231)
