@@ -44,10 +44,22 @@ def shapes() -> dict[str, list[tuple[int, int, int]]]:
     }
 
 
-def main(backends: list[str]) -> None:
-    kv = KVCache([LOOPS] * 8, 64 * 41 + 64, PAGE, KV_HEADS, HEAD_DIM, DT, DEV)  # layer 5's planes are real
+def paged_cache(pages: int = 64 * 41 + 64) -> tuple[KVCache, list[int]]:
+    """The Ouro plane layout (layer 5's planes are the ones timed) and its pages in shuffled order,
+    so a row's pages are scattered as they are after a server has run a while."""
+    kv = KVCache([LOOPS] * 8, pages, PAGE, KV_HEADS, HEAD_DIM, DT, DEV)
     free = list(range(kv.num_pages))
     random.Random(1).shuffle(free)
+    return kv, free
+
+
+def kv_floor_us(tokens: int) -> float:
+    """Time to read `tokens` positions of one layer's K and V at peak bandwidth."""
+    return 1e6 * tokens * 2 * KV_HEADS * HEAD_DIM * DT.itemsize / BW
+
+
+def main(backends: list[str]) -> None:
+    kv, free = paged_cache()
     print(f"{'shape':<24}{'backend':<12}{'us':>9}{'floor us':>10}{'of floor':>9}")
     for name, spec in shapes().items():
         rows = [RowSpec(n, s, d, free[i * 41 : i * 41 + -(-(s + n) // PAGE)]) for i, (n, s, d) in enumerate(spec)]
@@ -55,9 +67,8 @@ def main(backends: list[str]) -> None:
         q = torch.randn(t, HEADS, HEAD_DIM, device=DEV, dtype=DT)
         k = torch.randn(t, KV_HEADS, HEAD_DIM, device=DEV, dtype=DT)
         v = torch.randn_like(k)
-        kv_bytes = sum(r.end_pos for r in rows) * 2 * KV_HEADS * HEAD_DIM * 2
         flops = sum(4 * HEADS * HEAD_DIM * r.num_query * (r.start_pos + (r.num_query + 1) / 2) for r in rows)
-        floor_us = 1e6 * max(kv_bytes / BW, flops / FLOPS)
+        floor_us = max(kv_floor_us(sum(r.end_pos for r in rows)), 1e6 * flops / FLOPS)
         for b in backends:
             backend = get_attention_backend(b, DEV, DT, PAGE)
             meta = backend.prepare(rows, kv)
@@ -79,9 +90,7 @@ def sweep() -> None:
     """The Triton kernel's tile knobs on the decode shapes, to choose the class defaults."""
     from rlt_serve.attention.triton_backend import TritonAttentionBackend as T
 
-    kv = KVCache([LOOPS] * 8, 64 * 41 + 64, PAGE, KV_HEADS, HEAD_DIM, DT, DEV)
-    free = list(range(kv.num_pages))
-    random.Random(1).shuffle(free)
+    kv, free = paged_cache()
     print(f"{'shape':<24}{'kernel':>8}{'block_n':>8}{'warps':>6}{'stages':>7}{'us':>9}{'of floor':>9}")
     for name, spec in list(shapes().items())[:2]:
         rows = [RowSpec(n, s, d, free[i * 41 : i * 41 + -(-(s + n) // PAGE)]) for i, (n, s, d) in enumerate(spec)]
@@ -89,7 +98,7 @@ def sweep() -> None:
         q = torch.randn(t, HEADS, HEAD_DIM, device=DEV, dtype=DT)
         k = torch.randn(t, KV_HEADS, HEAD_DIM, device=DEV, dtype=DT)
         v = torch.randn_like(k)
-        floor_us = 1e6 * sum(r.end_pos for r in rows) * 2 * KV_HEADS * HEAD_DIM * 2 / BW
+        floor_us = kv_floor_us(sum(r.end_pos for r in rows))
         configs = [(k, *c) for k in ("vector", "vec-rows") for c in itertools.product((64, 128), (2, 4), (2, 3))]
         configs += [("tiled", *c) for c in itertools.product((32, 64, 128), (4, 8), (2, 3, 4))]
         for kernel, block_n, warps, stages in configs:
@@ -110,15 +119,13 @@ def sweep_splits() -> None:
     (`min_split_keys`, so the number of splits) are fastest at short and long contexts."""
     from rlt_serve.attention.triton_backend import TritonAttentionBackend as T
 
-    kv = KVCache([LOOPS] * 8, 64 * 41 + 64 + 1024, PAGE, KV_HEADS, HEAD_DIM, DT, DEV)
-    free = list(range(kv.num_pages))
-    random.Random(1).shuffle(free)
+    kv, free = paged_cache(64 * 41 + 64 + 1024)
     q, k = (torch.randn(1, h, HEAD_DIM, device=DEV, dtype=DT) for h in (HEADS, KV_HEADS))
     v = torch.randn_like(k)
     print(f"{'context':>8}{'kernel':>9}{'split keys':>11}{'splits':>7}{'us':>8}{'of floor':>9}")
     for ctx in (576, 2048, 8192):
         rows = [RowSpec(1, ctx - 1, 2, free[: -(-ctx // PAGE)])]
-        floor_us = 1e6 * ctx * 2 * KV_HEADS * HEAD_DIM * 2 / BW
+        floor_us = kv_floor_us(ctx)
         for kernel, split_keys in itertools.product(("tiled", "vector", "vec-rows"), (32, 64, 128, 256, 10**6)):
             T.decode_mha, T.heads_first = kernel != "tiled", kernel == "vector"
             T.min_split_keys, T.max_splits = split_keys, 64
