@@ -171,8 +171,9 @@ def _reduce_kernel(
 
 
 def default_config(m: int, n: int, k: int, silu: bool) -> GemvConfig:
-    """Tiles per shape class, fixed from recipes/gemv_bench.py on the H200 (2026-12-03, Ouro gate|up 12-04; GB/s at
-    M=1 against cuBLAS in the comments). `n` counts output columns (for gate|up: the intermediate size)."""
+    """Tiles per shape class, fixed from recipes/gemv_bench.py on the H200 (2026-12-03; Ouro gate|up
+    2026-12-04; GB/s at M=1 against cuBLAS in the comments). `n` counts output columns (for gate|up:
+    the intermediate size)."""
     rows = 2 * n if silu else n  # rows of W streamed
     if silu:  # gate|up, 64 or 128 output columns a program, W @ x^T on the tensor cores
         if k >= 3072:
