@@ -87,10 +87,10 @@ def test_tails_are_not_dropped(cfg):
 
 def test_default_configs_cover_every_m():
     """The tiles the engine would pick for decode-sized inputs (M = 1..8), on a gate|up-like and
-    an o_proj-like shape, whole K and split K alike."""
+    two o_proj-like shapes (K in one tile and in several), whole K and split K alike."""
     g = torch.Generator().manual_seed(3)
     for m in range(1, gemv_mod.MAX_M + 1):
-        for n, k, silu in ((2 * 40, 96, True), (48, 2100, False)):
+        for n, k, silu in ((2 * 40, 96, True), (48, 2100, False), (24, 2000, False)):
             cfg = gemv_mod.default_config(m, n // 2 if silu else n, k, silu)
             x = torch.randn(m, k, generator=g).half()
             w = (torch.randn(n, k, generator=g) * k**-0.5).half()

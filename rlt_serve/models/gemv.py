@@ -173,13 +173,17 @@ def _reduce_kernel(
 def default_config(m: int, n: int, k: int, silu: bool) -> GemvConfig:
     """Tiles per shape class, fixed from recipes/gemv_bench.py on the H200 (2026-12-03; Ouro gate|up
     2026-12-04; GB/s at M=1 against cuBLAS in the comments). `n` counts output columns (for gate|up:
-    the intermediate size)."""
+    the intermediate size). Ouro's o_proj takes K whole in one tile (2026-12-04): under PDL its
+    programs launch while attention still runs and stream all of W before waiting for it, which
+    took c=1 decode from 5.46 to 4.93 ms a step (recipes/ouro.md); alone it is no faster."""
     rows = 2 * n if silu else n  # rows of W streamed
     if silu:  # gate|up, 64 or 128 output columns a program, W @ x^T on the tensor cores
         if k >= 3072:
             return GemvConfig(128, 64, 1, mode=2, num_warps=4, num_stages=5)  # Nanbeige 3904 (3755)
         return GemvConfig(64, 64, 1, mode=2, num_warps=4, num_stages=6)  # Ouro 3650 (3036 + silu_mul)
     if m == 1:
+        if rows <= 4096 and k <= 2048:  # Ouro o_proj: each program's whole W slice loads before the PDL wait
+            return GemvConfig(8, 2048, 1, mode=0, num_warps=8, num_stages=1)  # (see below)
         if rows <= 4096:  # o_proj, down: longer rows, so more bytes in flight per program
             return GemvConfig(8, 1024, 1, mode=0, num_warps=8, num_stages=1)  # Ouro o 1975 (1381), down 2825 (2231)
         if k >= 3072:
