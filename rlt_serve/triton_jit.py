@@ -4,7 +4,8 @@ Triton picks its CPU interpreter (`TRITON_INTERPRET=1`) when it is imported and 
 decorated, and tests choose that per process, so nothing may import it earlier. Kernel modules
 therefore write their kernels as plain functions over `tl` (under `from __future__ import
 annotations` the `tl.constexpr` annotations stay unevaluated strings, which both the compiler
-and the interpreter read) and launch them through `jit(fn)`.
+and the interpreter read) and launch them through `jit(fn)`. Device functions that kernels call
+are marked `@device_function`; `jit` replaces each, in its module, by its decorated form first.
 """
 
 from __future__ import annotations
@@ -16,6 +17,14 @@ from typing import Any
 
 _JITTED: dict[tuple[str, str, bool], Any] = {}
 _PDL: dict[int, bool] = {}
+_DEVICE_FUNCTIONS: list[tuple[str, str]] = []
+_BOUND = [False, 0]  # the interpreter mode the device functions are decorated for, and how many are
+
+
+def device_function(fn: Any) -> Any:
+    """Marks a plain function over `tl` that kernels call; `jit` decorates it before any kernel."""
+    _DEVICE_FUNCTIONS.append((fn.__module__, fn.__name__))
+    return fn
 
 
 def jit(fn: Any) -> Any:
@@ -23,9 +32,21 @@ def jit(fn: Any) -> Any:
     import triton
     import triton.language as tl
 
+    interpret = os.environ.get("TRITON_INTERPRET", "0") == "1"
+    if _BOUND[0] != interpret:
+        _BOUND[:] = [interpret, 0]
+    for module_name, name in _DEVICE_FUNCTIONS[_BOUND[1] :]:
+        helper_module = sys.modules[module_name]
+        helper_module.triton, helper_module.tl = triton, tl
+        plain = getattr(getattr(helper_module, name), "fn", getattr(helper_module, name))
+        key = (module_name, name, interpret)
+        if key not in _JITTED:
+            _JITTED[key] = triton.jit(plain)
+        setattr(helper_module, name, _JITTED[key])
+    _BOUND[1] = len(_DEVICE_FUNCTIONS)
     module = sys.modules[fn.__module__]
     module.triton, module.tl = triton, tl
-    key = (fn.__module__, fn.__name__, os.environ.get("TRITON_INTERPRET", "0") == "1")
+    key = (fn.__module__, fn.__name__, interpret)
     if key not in _JITTED:
         _JITTED[key] = triton.jit(fn)
     return _JITTED[key]

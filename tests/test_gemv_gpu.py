@@ -6,6 +6,8 @@ orders, so a result may round to the neighbouring bf16 value; beyond that they m
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -13,6 +15,7 @@ import torch.nn.functional as F
 from rlt_serve.engine.cuda_graph import capture
 from rlt_serve.models import fused_ops
 from rlt_serve.models import gemv as gemv_mod
+from rlt_serve.models.fused_ops import PendingNorm
 from rlt_serve.models.gemv import gemv
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
@@ -45,20 +48,41 @@ def test_gemv_matches_cublas_bf16(rows, k, silu):
         assert torch.equal(got, gemv(x, w, silu=silu)), "not deterministic"
 
 
+@pytest.mark.parametrize("rows,k,silu", [(6144, 2048, False), (11264, 2048, True), (8192, 3072, False), (21504, 3072, True)])
+def test_norm_in_the_prologue_matches_the_norm_kernel_bf16(rows, k, silu):
+    """norm_gemv (Ouro/Nanbeige qkv and gate|up shapes) against fused_ops' norm kernel then the GEMV:
+    the 1/rms sums may round differently, so h within an ulp and y within a few."""
+    g = torch.Generator(device="cuda").manual_seed(rows)
+    bf = {"device": "cuda", "dtype": torch.bfloat16}
+    w = torch.randn(rows, k, generator=g, **bf) * k**-0.5
+    pre = SimpleNamespace(weight=1 + 0.1 * torch.randn(k, generator=g, **bf), eps=1e-6)
+    post = SimpleNamespace(weight=1 + 0.1 * torch.randn(k, generator=g, **bf), eps=1e-6)
+    for m in range(1, gemv_mod.MAX_M + 1):
+        x, res = torch.randn(m, k, generator=g, **bf), 4 * torch.randn(m, k, generator=g, **bf)
+        for p in (PendingNorm(x, None, None, post), PendingNorm(x, res, None, post), PendingNorm(x, res, pre, post)):
+            h, y = gemv_mod.norm_gemv(p, w, silu=silu)
+            want_h, want_in = p.resolve()
+            assert _ulps(h, want_h) <= 1.0, m
+            assert _ulps(y, gemv(want_in, w, silu=silu)) <= 4.0, m
+            assert torch.equal(y, gemv_mod.norm_gemv(p, w, silu=silu)[1]), "not deterministic"
+
+
 def test_gemv_graph_replay_equals_eager():
     """Captured in a CUDA graph (as the decode step is), the GEMV gives the eager results bit for bit."""
     g = torch.Generator(device="cuda").manual_seed(0)
     bf = {"device": "cuda", "dtype": torch.bfloat16}
     qkv, o = torch.randn(6144, 2048, generator=g, **bf), torch.randn(2048, 2048, generator=g, **bf)
     gu, down = torch.randn(11264, 2048, generator=g, **bf), torch.randn(2048, 5632, generator=g, **bf)
+    norm = SimpleNamespace(weight=torch.randn(2048, generator=g, **bf), eps=1e-6)
     for m in (1, 3, 8):
         x = torch.randn(m, 2048, generator=g, **bf)
 
         def step(x: torch.Tensor = x) -> tuple[torch.Tensor, ...]:
             a = gemv_mod.linear(x, qkv)
             b = gemv_mod.linear(a[:, :2048].contiguous(), o)
-            c = gemv_mod.linear(gemv_mod.gate_up_silu(b, gu), down)
-            return a, b, c
+            h, u = gemv_mod.norm_gate_up_silu(PendingNorm(b, x, norm, norm), gu)  # the norm in the prologue
+            c = gemv_mod.linear(u, down)
+            return a, b, h, c
 
         graph, captured = capture(step)
         x.copy_(torch.randn(m, 2048, generator=g, **bf))  # the replay reads the new input
@@ -87,18 +111,23 @@ def test_dispatch_on_cuda(monkeypatch):
     assert torch.equal(gemv_mod.linear(x, w), F.linear(x, w))
 
 
-@pytest.mark.parametrize("family", ["ouro", "nanbeige", "huginn"])
-def test_engine_bf16_decode_gemv_matches_cublas(tmp_checkpoint, monkeypatch, family):
-    """Whole engine, bf16, graphs on, concurrency 1 and 8: decode through the GEMV gives cuBLAS's
-    tokens and logprobs up to the first token a bf16 near-tie may flip."""
+@pytest.mark.parametrize(
+    "family,prologue", [("ouro", "0"), ("nanbeige", "0"), ("huginn", "0"), ("ouro", "1"), ("nanbeige", "1")]
+)
+def test_engine_bf16_decode_gemv_matches_cublas(tmp_checkpoint, monkeypatch, family, prologue):
+    """Whole engine, bf16, graphs on, concurrency 1 and 8: decode through the GEMV (with the norms
+    in the projections' prologues or not) gives cuBLAS's tokens and logprobs up to the first token
+    a bf16 near-tie may flip."""
     from test_gpu import SHAPES as ENGINE_SHAPES
     from test_gpu import _steady_decode
 
     path = tmp_checkpoint(family, seed=7, dtype="bfloat16", **ENGINE_SHAPES.get(family, {}))
     for concurrency in (1, 8):
         monkeypatch.setenv("RLT_GEMV", "0")
+        monkeypatch.setenv("RLT_NORM_PROLOGUE", "0")
         want, _ = _steady_decode(path, "bfloat16", concurrency)
         monkeypatch.setenv("RLT_GEMV", "1")
+        monkeypatch.setenv("RLT_NORM_PROLOGUE", prologue)
         got, engine = _steady_decode(path, "bfloat16", concurrency)
         assert engine.stats().num_cuda_graph_replays > 0
         assert got.keys() == want.keys()

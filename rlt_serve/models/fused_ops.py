@@ -11,7 +11,7 @@ torch path up to float reduction order. `RLT_FUSED_KERNELS=0` selects the torch 
 from __future__ import annotations
 
 import os
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -115,6 +115,25 @@ def add_rms_norm(
     t = rms_norm_torch(x, pre.weight, pre.eps) if pre is not None else x
     h = residual + t
     return h, (rms_norm_torch(h, post.weight, post.eps) if post is not None else None)
+
+
+class PendingNorm(NamedTuple):
+    """post(residual + pre(x)) not yet computed: h = residual + pre(x) (x itself without a residual)
+    is the next residual stream and y = post(h) the next projection's input. `pre` needs a
+    residual; norms are RMSNorm modules (`weight`, `eps`). A decode projection computes it in its
+    own prologue (gemv.norm_linear); elsewhere `resolve` computes it on its own."""
+
+    x: torch.Tensor
+    residual: torch.Tensor | None
+    pre: Any | None
+    post: Any
+
+    def resolve(self) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.residual is None:
+            return self.x, rms_norm(self.x, self.post.weight, self.post.eps)
+        h, y = add_rms_norm(self.x, self.residual, self.pre, self.post)
+        assert y is not None
+        return h, y
 
 
 # -- RoPE (rotate-half) on q and k in one launch ------------------------------------------------

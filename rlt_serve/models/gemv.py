@@ -16,6 +16,10 @@ Rounding is F.linear's then fused_ops.silu_mul's: each product accumulates in fp
 the model dtype once; gate and up round before the SiLU, the SiLU rounds, the product rounds. So
 results equal the torch path up to the fp32 reduction order.
 
+The projections after a norm (qkv, gate|up) can take the norm into their prologue (norm_gemv,
+`RLT_NORM_PROLOGUE=1`): each program finds the rows' 1/rms itself and normalises x tiles as it
+loads them, which saves a launch and a round trip to memory per norm, two a layer-loop.
+
 Tile shapes are fixed per shape class (no autotuning: the calls are captured in CUDA graphs), no
 host syncs, and nothing is allocated but the output (and the split-K partials) via torch.empty.
 `RLT_GEMV=0` keeps F.linear everywhere.
@@ -30,7 +34,7 @@ import torch
 import torch.nn.functional as F
 
 from rlt_serve.models import fused_ops
-from rlt_serve.triton_jit import jit, next_pow2, pdl, triton_missing
+from rlt_serve.triton_jit import device_function, jit, next_pow2, pdl, triton_missing
 
 triton: Any = None  # bound on first launch by rlt_serve.triton_jit.jit
 tl: Any = None
@@ -51,15 +55,73 @@ class GemvConfig(NamedTuple):
     num_stages: int = 3
 
 
+@device_function
+def _norm_residual(x, res, w_pre, s_pre, HAS_PRE: tl.constexpr, HAS_RES: tl.constexpr):
+    """res + pre(x) in fp32 holding dtype values; `s_pre` is 1/rms of x. Rounded as
+    fused_ops._add_norm_kernel rounds: normalise in fp32, round, scale by the weight, round; the
+    sum rounds too. (That kernel keeps its own copy until this one has run on a GPU.)"""
+    dt = x.dtype
+    t = x.to(tl.float32)
+    if HAS_PRE:
+        t = (w_pre.to(tl.float32) * (t * s_pre).to(dt).to(tl.float32)).to(dt).to(tl.float32)
+    if HAS_RES:
+        t = (res.to(tl.float32) + t).to(dt).to(tl.float32)
+    return t
+
+
+@device_function
+def _row_scales(x_ptr, res_ptr, w_pre, M, K, eps_pre, eps_post, stride_xm, stride_rm,
+                BLOCK_M: tl.constexpr, K_P: tl.constexpr, HAS_PRE: tl.constexpr, HAS_RES: tl.constexpr):  # fmt: skip
+    """[BLOCK_M, 1] 1/rms of each row of x (for pre) and of res + pre(x) (for post), a row at a time."""
+    ms = tl.arange(0, BLOCK_M)[:, None]
+    ks = tl.arange(0, K_P)
+    k_ok = ks < K
+    s_pre = tl.full([BLOCK_M, 1], 1.0, tl.float32)
+    s_post = tl.full([BLOCK_M, 1], 1.0, tl.float32)
+    w_1 = tl.load(w_pre + ks, mask=k_ok, other=0.0) if HAS_PRE else 0.0
+    for m in range(M):
+        x = tl.load(x_ptr + m * stride_xm + ks, mask=k_ok, other=0.0)
+        s_1 = 1.0
+        if HAS_PRE:
+            xf = x.to(tl.float32)
+            s_1 = tl.math.rsqrt(tl.sum(xf * xf, 0) / K + eps_pre)
+            s_pre = tl.where(ms == m, s_1, s_pre)
+        r = tl.load(res_ptr + m * stride_rm + ks, mask=k_ok, other=0.0) if HAS_RES else x
+        t = _norm_residual(x, r, w_1, s_1, HAS_PRE, HAS_RES)
+        s_post = tl.where(ms == m, tl.math.rsqrt(tl.sum(t * t, 0) / K + eps_post), s_post)
+    return s_pre, s_post
+
+
+@device_function
+def _x_tile(x_rows, r_rows, h_rows, w_pre, w_post, s_pre, s_post, ks, k_ok, m_ok, store_h,
+            HAS_PRE: tl.constexpr, HAS_RES: tl.constexpr):  # fmt: skip
+    """The [BLOCK_M, BLOCK_K] input tile at columns `ks` of post(res + pre(x)), storing
+    res + pre(x) to h where `store_h`."""
+    mask = m_ok[:, None] & k_ok[None, :]
+    x = tl.load(x_rows + ks[None, :], mask=mask, other=0.0)
+    w_1 = tl.load(w_pre + ks, mask=k_ok, other=0.0)[None, :] if HAS_PRE else 0.0
+    r = tl.load(r_rows + ks[None, :], mask=mask, other=0.0) if HAS_RES else x
+    t = _norm_residual(x, r, w_1, s_pre, HAS_PRE, HAS_RES)
+    if HAS_PRE or HAS_RES:
+        tl.store(h_rows + ks[None, :], t.to(x.dtype), mask=mask & store_h)
+    w_2 = tl.load(w_post + ks, mask=k_ok, other=0.0)[None, :]
+    return (w_2.to(tl.float32) * (t * s_post).to(x.dtype).to(tl.float32)).to(x.dtype)
+
+
 def _gemv_kernel(
     x_ptr, w_ptr, y_ptr, part_ptr, M, N, K, k_split, split, up_off,
     stride_xm, stride_wn, stride_ym,
+    res_ptr, h_ptr, w_pre, w_post, eps_pre, eps_post, stride_rm, stride_hm,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PARTIAL: tl.constexpr,
-    SILU: tl.constexpr, MODE: tl.constexpr, PDL: tl.constexpr,
+    SILU: tl.constexpr, MODE: tl.constexpr, NORM: tl.constexpr, HAS_PRE: tl.constexpr, HAS_RES: tl.constexpr,
+    K_P: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     """Program (n block, k split): outputs [n0, n0+BLOCK_N) over K range [s*k_split, (s+1)*k_split).
     With SILU, up rows sit `up_off` rows below the gate rows. PARTIAL stores fp32 partials
     [split, M, N] (with SILU the up partials follow, another [split, M, N]) for _reduce_kernel.
+    With NORM the input is post(res + pre(x)) (fused_ops' add_rms_norm; pre and res optional):
+    every program finds each row's 1/rms over all of K first, then normalises each x tile as it
+    loads it, and the programs of n block 0 store h = res + pre(x) for the next residual add.
     With PDL the first W tile (MODE 0) is loaded before waiting for the kernel that wrote x."""
     if PDL:
         tl.extra.cuda.gdc_launch_dependents()
@@ -71,6 +133,11 @@ def _gemv_kernel(
     m_ok = ms < M
     w_rows = w_ptr + rows.to(tl.int64)[:, None] * stride_wn
     x_rows = x_ptr + ms[:, None] * stride_xm
+    r_rows = res_ptr + ms[:, None] * stride_rm
+    h_rows = h_ptr + ms[:, None] * stride_hm
+    store_h = pid_n == 0
+    s_pre = tl.full([BLOCK_M], 1.0, tl.float32)[:, None]
+    s_post = tl.full([BLOCK_M], 1.0, tl.float32)[:, None]
     k_lo = pid_k * k_split
     if MODE == 0:
         acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
@@ -91,8 +158,16 @@ def _gemv_kernel(
             if SILU:
                 wu = tl.load(w_rows + up_off * stride_wn + ks[None, :], mask=w_mask, other=0.0)
         tl.extra.cuda.gdc_wait()
+    if NORM:
+        s_pre, s_post = _row_scales(x_ptr, res_ptr, w_pre, M, K, eps_pre, eps_post, stride_xm, stride_rm,
+                                    BLOCK_M, K_P, HAS_PRE, HAS_RES)  # fmt: skip
+    if PDL:
         if MODE == 0:
-            x = tl.load(x_rows + ks[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+            if NORM:
+                x = _x_tile(x_rows, r_rows, h_rows, w_pre, w_post, s_pre, s_post, ks, k_ok, m_ok, store_h,
+                            HAS_PRE, HAS_RES)  # fmt: skip
+            else:
+                x = tl.load(x_rows + ks[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
             acc += w.to(tl.float32) * x.to(tl.float32)
             if SILU:
                 acc_u += wu.to(tl.float32) * x.to(tl.float32)
@@ -100,7 +175,11 @@ def _gemv_kernel(
     for k0 in range(k_start, k_lo + k_split, BLOCK_K):
         ks = k0 + tl.arange(0, BLOCK_K)
         k_ok = ks < K
-        x = tl.load(x_rows + ks[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+        if NORM:
+            x = _x_tile(x_rows, r_rows, h_rows, w_pre, w_post, s_pre, s_post, ks, k_ok, m_ok, store_h,
+                        HAS_PRE, HAS_RES)  # fmt: skip
+        else:
+            x = tl.load(x_rows + ks[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
         w_mask = n_ok[:, None] & k_ok[None, :]
         w = tl.load(w_rows + ks[None, :], mask=w_mask, other=0.0)
         if MODE == 0:  # BLOCK_M == 1: x is [1, BLOCK_K], broadcast over the rows of W
@@ -203,6 +282,23 @@ def cublas_wins(m: int, rows: int, k: int) -> bool:
 def gemv(x: torch.Tensor, w: torch.Tensor, silu: bool = False, config: GemvConfig | None = None) -> torch.Tensor:
     """x [M, K] @ w[N, K]^T -> [M, N]; with `silu`, w is gate|up [2I, K] and the result
     silu(x @ gate^T) * (x @ up^T) [M, I]. Any device Triton runs on (the CPU interpreter too)."""
+    return _launch(x, w, silu, config, None)[1]
+
+
+def norm_gemv(
+    p: fused_ops.PendingNorm, w: torch.Tensor, silu: bool = False, config: GemvConfig | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(h, gemv(y, w)) of a pending norm's h and y, the norm computed in the GEMV's prologue."""
+    if p.residual is None and p.pre is not None:
+        raise ValueError("norm_gemv: a norm before the residual add needs a residual")
+    if p.residual is not None and (p.residual.shape != p.x.shape or p.residual.dtype != p.x.dtype):
+        raise ValueError(f"norm_gemv: residual {tuple(p.residual.shape)} does not match x {tuple(p.x.shape)}")
+    return _launch(p.x, w, silu, config, p)
+
+
+def _launch(
+    x: torch.Tensor, w: torch.Tensor, silu: bool, config: GemvConfig | None, norm: fused_ops.PendingNorm | None
+) -> tuple[torch.Tensor, torch.Tensor]:
     m, k = x.shape
     rows, kw = w.shape
     if kw != k or (silu and rows % 2):
@@ -216,15 +312,25 @@ def gemv(x: torch.Tensor, w: torch.Tensor, silu: bool = False, config: GemvConfi
     if cfg.mode == 0 and m != 1:
         raise ValueError("gemv: the elementwise mode (0) takes one row")
     y = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    res = norm.residual if norm is not None and norm.residual is not None else None
+    if res is not None and res.stride(-1) != 1:
+        res = res.contiguous()
+    h = torch.empty_like(x) if res is not None else x
     if m == 0 or n == 0:
-        return y
+        return h, y
     block_m = 1 if cfg.mode == 0 else max(16, next_pow2(m))
     k_split = -(-k // (cfg.split_k * cfg.block_k)) * cfg.block_k  # whole K blocks per split
     split = -(-k // k_split)
     part = torch.empty((2 if silu else 1) * split * m * n, dtype=torch.float32, device=x.device) if split > 1 else y
+    pre, post = (norm.pre, norm.post) if norm is not None else (None, None)
     jit(_gemv_kernel)[(triton.cdiv(n, cfg.block_n), split)](
         x, w, y, part, m, n, k, k_split, split, n, x.stride(0), w.stride(0), y.stride(0),
+        res if res is not None else x, h, pre.weight if pre is not None else x, post.weight if post is not None else x,
+        pre.eps if pre is not None else 0.0, post.eps if post is not None else 0.0,
+        res.stride(0) if res is not None else 0, h.stride(0),
         BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, PARTIAL=split > 1, SILU=silu, MODE=cfg.mode,
+        NORM=norm is not None, HAS_PRE=pre is not None, HAS_RES=res is not None,
+        K_P=next_pow2(k) if norm is not None else 1,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl(x),
     )  # fmt: skip
     if split > 1:
@@ -232,7 +338,7 @@ def gemv(x: torch.Tensor, w: torch.Tensor, silu: bool = False, config: GemvConfi
         jit(_reduce_kernel)[(m, triton.cdiv(n, block))](
             part, y, m, n, split, y.stride(0), SILU=silu, BLOCK=block, num_warps=4, **pdl(x)
         )
-    return y
+    return h, y
 
 
 def _use_gemv(x: torch.Tensor, w: torch.Tensor, silu: bool = False) -> bool:
@@ -256,3 +362,25 @@ def linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
 def gate_up_silu(x: torch.Tensor, gate_up: torch.Tensor) -> torch.Tensor:
     """silu_mul(F.linear(x, gate_up)) for a fused gate|up weight, one kernel at decode sizes."""
     return gemv(x, gate_up, silu=True) if _use_gemv(x, gate_up, silu=True) else fused_ops.silu_mul(F.linear(x, gate_up))
+
+
+def norm_prologue() -> bool:
+    """Whether decode projections compute a pending norm in their prologue (`RLT_NORM_PROLOGUE=1`).
+    Off by default: tested in Triton's interpreter, not yet run on a GPU (recipes/ouro.md)."""
+    return os.environ.get("RLT_NORM_PROLOGUE", "0") == "1"
+
+
+def norm_linear(p: fused_ops.PendingNorm, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(h, F.linear(y, w)) of a pending norm: with norm_prologue(), one kernel at decode sizes."""
+    if norm_prologue() and _use_gemv(p.x, w):
+        return norm_gemv(p, w)
+    h, y = p.resolve()
+    return h, linear(y, w)
+
+
+def norm_gate_up_silu(p: fused_ops.PendingNorm, gate_up: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(h, gate_up_silu(y, gate_up)) of a pending norm, likewise."""
+    if norm_prologue() and _use_gemv(p.x, gate_up, silu=True):
+        return norm_gemv(p, gate_up, silu=True)
+    h, y = p.resolve()
+    return h, gate_up_silu(y, gate_up)

@@ -9,6 +9,7 @@ from torch import nn
 from rlt_serve.attention.backend import AttentionBackend, AttentionMetadata
 from rlt_serve.engine.kv_cache import KVCache
 from rlt_serve.models import fused_ops, gemv
+from rlt_serve.models.fused_ops import PendingNorm
 
 
 class RMSNorm(nn.Module):
@@ -66,10 +67,13 @@ class SwiGLU(nn.Module):
     def fuse(self) -> None:
         self.gate_up = fuse_linears(self.gate_proj, self.up_proj)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: PendingNorm) -> tuple[torch.Tensor, torch.Tensor]:
+        """(residual stream, MLP output) of a pending norm's input; see PendingNorm."""
         if self.gate_up is None:
-            return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
-        return gemv.linear(gemv.gate_up_silu(x, self.gate_up), self.down_proj.weight)
+            h, y = x.resolve()
+            return h, self.down_proj(F.silu(self.gate_proj(y)) * self.up_proj(y))
+        h, a = gemv.norm_gate_up_silu(x, self.gate_up)
+        return h, gemv.linear(a, self.down_proj.weight)
 
 
 class PagedAttention(nn.Module):
@@ -89,13 +93,18 @@ class PagedAttention(nn.Module):
     def fuse(self) -> None:
         self.qkv = fuse_linears(self.q_proj, self.k_proj, self.v_proj)
 
-    def forward(self, x: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor], ctx: "CoreContext") -> torch.Tensor:
-        t = x.shape[0]
+    def forward(
+        self, x: PendingNorm, cos_sin: tuple[torch.Tensor, torch.Tensor], ctx: "CoreContext"
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(residual stream, attention output) of a pending norm's input; see PendingNorm."""
+        t = x.x.shape[0]
         if self.qkv is None:
-            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+            h, y = x.resolve()
+            q, k, v = self.q_proj(y), self.k_proj(y), self.v_proj(y)
         else:
             nq, nkv = self.heads * self.head_dim, self.kv_heads * self.head_dim
-            q, k, v = gemv.linear(x, self.qkv).split([nq, nkv, nkv], dim=-1)
+            h, qkv = gemv.norm_linear(x, self.qkv)
+            q, k, v = qkv.split([nq, nkv, nkv], dim=-1)
         q = q.view(t, self.heads, self.head_dim)
         k = k.view(t, self.kv_heads, self.head_dim)
         v = v.view(t, self.kv_heads, self.head_dim)
@@ -103,7 +112,7 @@ class PagedAttention(nn.Module):
         if not ctx.backend.strided_qkv:
             q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
         o = ctx.backend.forward(q, k, v, ctx.kv, self.layer, ctx.meta, self.scale)
-        return gemv.linear(o.reshape(t, self.heads * self.head_dim), self.o_proj.weight)
+        return h, gemv.linear(o.reshape(t, self.heads * self.head_dim), self.o_proj.weight)
 
 
 class CoreContext:

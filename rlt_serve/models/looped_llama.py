@@ -13,7 +13,7 @@ from torch import nn
 
 from rlt_serve.config import ModelConfig
 from rlt_serve.models.base import CoreOutput, LoopedModel, PreludeOutput
-from rlt_serve.models.fused_ops import add_rms_norm
+from rlt_serve.models.fused_ops import PendingNorm
 from rlt_serve.models.layers import CoreContext, PagedAttention, RMSNorm, RotaryEmbedding, SwiGLU
 
 
@@ -31,15 +31,14 @@ class DecoderLayer(nn.Module):
             self.post_attention_layernorm_2 = RMSNorm(h, eps)
 
     def forward(
-        self, h: torch.Tensor, x: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor], ctx: CoreContext,
-        next_norm: RMSNorm,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """(residual stream, next_norm of it): the layer takes its input already normalised, so
-        each residual add is fused with the norms around it (see fused_ops)."""
-        a = self.self_attn(x, cos_sin, ctx)
-        h, x = add_rms_norm(a, h, self.input_layernorm_2 if self.sandwich else None, self.post_attention_layernorm)
-        m = self.mlp(x)
-        return add_rms_norm(m, h, self.post_attention_layernorm_2 if self.sandwich else None, next_norm)
+        self, x: PendingNorm, cos_sin: tuple[torch.Tensor, torch.Tensor], ctx: CoreContext, next_norm: RMSNorm
+    ) -> PendingNorm:
+        """The layer's input and output are pending norms (residual stream, sublayer output and the
+        norms between them), so each norm and residual add runs in the projection that reads it."""
+        h, a = self.self_attn(x, cos_sin, ctx)
+        pre = self.input_layernorm_2 if self.sandwich else None
+        h, m = self.mlp(PendingNorm(a, h, pre, self.post_attention_layernorm))
+        return PendingNorm(m, h, self.post_attention_layernorm_2 if self.sandwich else None, next_norm)
 
 
 class LoopedBody(nn.Module):
@@ -78,10 +77,10 @@ class LoopedLlamaForCausalLM(LoopedModel):
     ) -> CoreOutput:
         cos_sin = self.rotary.cos_sin(positions, hidden.dtype)
         layers = self.model.layers
-        h, x = hidden, layers[0].input_layernorm(hidden)
+        x = PendingNorm(hidden, None, None, layers[0].input_layernorm)
         for i, layer in enumerate(layers):  # the last layer's next norm is the per-loop model.norm
-            h, x = layer(h, x, cos_sin, ctx, layers[i + 1].input_layernorm if i + 1 < len(layers) else self.model.norm)
-        h = x
+            x = layer(x, cos_sin, ctx, layers[i + 1].input_layernorm if i + 1 < len(layers) else self.model.norm)
+        h = x.resolve()[1]
         gate = None
         if self.config.exit_gate:
             gate = self.model.early_exit_gate(h).squeeze(-1).float()
