@@ -13,6 +13,7 @@ from __future__ import annotations
 import itertools
 import random
 import sys
+from typing import Any
 
 import torch
 from triton.testing import do_bench
@@ -86,10 +87,18 @@ def main(backends: list[str]) -> None:
         print(f"{name:<24}{'write:torch':<12}{us:>9.1f}{write_floor:>10.1f}{write_floor / us:>9.1%}")
 
 
+def tuned_backend(kernel: str, **knobs: int) -> Any:
+    """A Triton backend running `kernel` (tiled, vector or vec-rows) with tile knobs set on the
+    instance, so the class defaults stay as they are."""
+    backend = get_attention_backend("triton", DEV, DT, PAGE)
+    backend.decode_mha, backend.heads_first = kernel != "tiled", kernel == "vector"
+    for name, value in knobs.items():
+        setattr(backend, name, value)
+    return backend
+
+
 def sweep() -> None:
     """The Triton kernel's tile knobs on the decode shapes, to choose the class defaults."""
-    from rlt_serve.attention.triton_backend import TritonAttentionBackend as T
-
     kv, free = paged_cache()
     print(f"{'shape':<24}{'kernel':>8}{'block_n':>8}{'warps':>6}{'stages':>7}{'us':>9}{'of floor':>9}")
     for name, spec in list(shapes().items())[:2]:
@@ -102,9 +111,7 @@ def sweep() -> None:
         configs = [(k, *c) for k in ("vector", "vec-rows") for c in itertools.product((64, 128), (2, 4), (2, 3))]
         configs += [("tiled", *c) for c in itertools.product((32, 64, 128), (4, 8), (2, 3, 4))]
         for kernel, block_n, warps, stages in configs:
-            T.decode_mha, T.heads_first = kernel != "tiled", kernel == "vector"
-            T.block_n, T.num_warps, T.num_stages = block_n, warps, stages
-            backend = get_attention_backend("triton", DEV, DT, PAGE)
+            backend = tuned_backend(kernel, block_n=block_n, num_warps=warps, num_stages=stages)
             meta = backend.prepare(rows, kv)
             try:
                 us = device_us(lambda b=backend, m=meta: b.forward(q, k, v, kv, 5, m, HEAD_DIM**-0.5))  # noqa: B023
@@ -117,8 +124,6 @@ def sweep() -> None:
 def sweep_splits() -> None:
     """Concurrency-1 decode is latency-bound: which kernel and how many keys per split-KV program
     (`min_split_keys`, so the number of splits) are fastest at short and long contexts."""
-    from rlt_serve.attention.triton_backend import TritonAttentionBackend as T
-
     kv, free = paged_cache(64 * 41 + 64 + 1024)
     q, k = (torch.randn(1, h, HEAD_DIM, device=DEV, dtype=DT) for h in (HEADS, KV_HEADS))
     v = torch.randn_like(k)
@@ -127,9 +132,7 @@ def sweep_splits() -> None:
         rows = [RowSpec(1, ctx - 1, 2, free[: -(-ctx // PAGE)])]
         floor_us = kv_floor_us(ctx)
         for kernel, split_keys in itertools.product(("tiled", "vector", "vec-rows"), (32, 64, 128, 256, 10**6)):
-            T.decode_mha, T.heads_first = kernel != "tiled", kernel == "vector"
-            T.min_split_keys, T.max_splits = split_keys, 64
-            backend = get_attention_backend("triton", DEV, DT, PAGE)
+            backend = tuned_backend(kernel, min_split_keys=split_keys, max_splits=64)
             meta = backend.prepare(rows, kv)
             splits = backend.num_splits(HEADS, ctx, DEV)
             us = device_us(lambda b=backend, m=meta: b.forward(q, k, v, kv, 5, m, HEAD_DIM**-0.5))  # noqa: B023

@@ -5,6 +5,8 @@
 #   run(command="bash recipes/gpu_perf.sh", carry=[".whl"], timeout_s=600)
 # SHAPE=nanbeige4.2-3b|huginn-0125 benches another family; TESTS='' skips pytest; BENCH='c1 c64 eager'
 # picks the bench set (c1async, c64async: c1, c64 with --async-scheduling, to compare side by side).
+# VARIANTS='"" "RLT_NORM_PROLOGUE=1"' then times c=1 decode under each env variant, paired
+# (recipes/decode_variants.py; eval'd, so quote each variant).
 # .whl holds msgspec and pyzmq cp312 wheels (the CLI imports the launcher).
 set -uo pipefail
 OUT=${OUT:-/tmp/rlt_out}; mkdir -p "$OUT"
@@ -24,7 +26,7 @@ RLT="python3 -m rlt_serve.cli"
 CK=$!
 if [ -n "$TESTS" ]; then
   echo "=== pytest -m gpu -k '$TESTS'"; t0=$SECONDS
-  timeout 420 python3 -m pytest -m gpu -q -p no:cacheprovider tests/test_gpu.py -k "$TESTS" 2>&1 | tail -25
+  timeout 420 python3 -m pytest -m gpu -q -p no:cacheprovider tests/test_gpu.py tests/test_gemv_gpu.py -k "$TESTS" 2>&1 | tail -25
   echo "=== pytest: $((SECONDS - t0))s"
 fi
 wait $CK; cat "$OUT/ckpt.txt" 2>/dev/null
@@ -46,3 +48,7 @@ for x in $BENCH; do
     c128) b c128 200 --concurrency 128 --num-prompts 128 --skip-reference ;;
   esac
 done
+if [ -n "${VARIANTS:-}" ]; then
+  echo "=== decode variants: $VARIANTS"
+  eval "timeout 400 python3 recipes/decode_variants.py \"\$CKPT\" $VARIANTS" 2>&1 | grep -v -i warn
+fi

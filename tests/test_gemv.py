@@ -143,7 +143,8 @@ def test_norm_in_the_prologue_equals_the_separate_norm(cfg, silu):
         w = (torch.randn(n, k, generator=g) * k**-0.5).to(dtype)
         for m in [1] if cfg.mode == 0 else [1, 3, 8]:
             x, res = (torch.randn(m, k, generator=g).to(dtype) for _ in range(2))
-            for p in (PendingNorm(x, None, None, post), PendingNorm(x, res, None, post), PendingNorm(x, res, pre, post)):
+            for r, q in ((None, None), (res, None), (res, pre)):
+                p = PendingNorm(x, r, q, post)
                 h, y = gemv_mod.norm_gemv(p, w, silu=silu, config=cfg)
                 want_h, want_in = p.resolve()
                 assert torch.equal(h, want_h) if p.residual is None else h.data_ptr() != x.data_ptr()
@@ -152,3 +153,49 @@ def test_norm_in_the_prologue_equals_the_separate_norm(cfg, silu):
                 torch.testing.assert_close(y, gemv(want_in, w, silu=silu, config=cfg), **tol)
     with pytest.raises(ValueError, match="needs a residual"):
         gemv_mod.norm_gemv(PendingNorm(x, None, pre, post), w, silu=silu, config=cfg)
+
+
+@pytest.mark.parametrize("cfg", [GemvConfig(8, 64, 1, 0), GemvConfig(4, 32, 1, 0), GemvConfig(32, 32, 1, 2)],
+                         ids=lambda c: f"n{c.block_n}k{c.block_k}m{c.mode}")  # fmt: skip
+@pytest.mark.parametrize("masked", [False, True], ids=["all-write", "write-mask"])
+def test_qkv_epilogue_equals_rope_then_write(cfg, masked):
+    """The qkv GEMV with its epilogue: q and k rotated exactly as fused_ops' RoPE rotates the
+    unfused projection (rounding included), v untouched, and K/V in each token's slot of its depth
+    plane, where the write mask allows; every other cache entry keeps its value."""
+    from rlt_serve.attention.backend import KVWriteTarget
+    from rlt_serve.models import fused_ops
+    from rlt_serve.models.gemv import QKVEpilogue, epilogue_fits
+
+    heads, kv_heads, d, k = 4, 2, 32, 150  # GQA; K not a multiple of the tile
+    g = torch.Generator().manual_seed(5 + cfg.mode + masked)
+    for dtype in (torch.float16, torch.float32):
+        n = (heads + 2 * kv_heads) * d
+        w = (torch.randn(n, k, generator=g) * k**-0.5).to(dtype)
+        for m in [1] if cfg.mode == 0 else [1, 3, 8]:
+            x = torch.randn(m, k, generator=g).to(dtype)
+            pos = torch.randint(0, 50, (m,), generator=g)
+            freqs = pos.float()[:, None] * (1.0 / 1e4 ** (torch.arange(0, d, 2).float() / d))[None, :]
+            emb = torch.cat((freqs, freqs), dim=-1)
+            cos, sin = emb.cos().to(dtype), emb.sin().to(dtype)
+            planes, slots = 3, 20
+            k_cache = torch.randn(planes, slots, kv_heads, d, generator=g).to(dtype)
+            v_cache = torch.randn(planes, slots, kv_heads, d, generator=g).to(dtype)
+            slot = torch.randperm(slots, generator=g)[:m]
+            depth = torch.randint(0, 2, (m,), generator=g)
+            wmask = (torch.arange(m) % 2 == 0).to(torch.int8) if masked else None
+            target = KVWriteTarget(k_cache.clone(), v_cache.clone(), slot, depth, wmask, 1)
+            epi = QKVEpilogue(cos, sin, heads, kv_heads, d, target)
+            assert epilogue_fits(m, w, epi, cfg)
+            _, got = gemv_mod._launch(x, w, False, cfg, None, epi)
+            want = gemv(x, w, config=cfg)
+            q, kk, v = want.split([heads * d, kv_heads * d, kv_heads * d], dim=-1)
+            q, kk = (fused_ops.rope_torch(t.reshape(m, -1, d), cos[:, None], sin[:, None]) for t in (q, kk))
+            v = v.reshape(m, kv_heads, d)
+            assert torch.equal(got, torch.cat([q.reshape(m, -1), kk.reshape(m, -1), v.reshape(m, -1)], dim=-1))
+            for i in range(m):
+                if wmask is None or wmask[i]:
+                    k_cache[1 + depth[i], slot[i]], v_cache[1 + depth[i], slot[i]] = kk[i], v[i]
+            assert torch.equal(target.k_cache, k_cache) and torch.equal(target.v_cache, v_cache)
+    w_bad = torch.randn((heads + 2 * kv_heads) * d + 1, k)
+    with pytest.raises(ValueError, match="epilogue does not fit"):
+        gemv_mod._launch(torch.randn(1, k), w_bad, False, cfg if cfg.mode else None, None, epi)

@@ -48,7 +48,9 @@ def test_gemv_matches_cublas_bf16(rows, k, silu):
         assert torch.equal(got, gemv(x, w, silu=silu)), "not deterministic"
 
 
-@pytest.mark.parametrize("rows,k,silu", [(6144, 2048, False), (11264, 2048, True), (8192, 3072, False), (21504, 3072, True)])
+@pytest.mark.parametrize(
+    "rows,k,silu", [(6144, 2048, False), (11264, 2048, True), (8192, 3072, False), (21504, 3072, True)]
+)
 def test_norm_in_the_prologue_matches_the_norm_kernel_bf16(rows, k, silu):
     """norm_gemv (Ouro/Nanbeige qkv and gate|up shapes) against fused_ops' norm kernel then the GEMV:
     the 1/rms sums may round differently, so h within an ulp and y within a few."""
@@ -65,6 +67,35 @@ def test_norm_in_the_prologue_matches_the_norm_kernel_bf16(rows, k, silu):
             assert _ulps(h, want_h) <= 1.0, m
             assert _ulps(y, gemv(want_in, w, silu=silu)) <= 4.0, m
             assert torch.equal(y, gemv_mod.norm_gemv(p, w, silu=silu)[1]), "not deterministic"
+
+
+@pytest.mark.parametrize("heads,kv_heads,k", [(16, 16, 2048), (48, 8, 3072)])  # Ouro-1.4B, Nanbeige4.2
+def test_qkv_epilogue_matches_rope_and_write_bf16(heads, kv_heads, k):
+    """The compiled qkv epilogue (M = 1..8) against the GEMV, fused_ops' RoPE kernel and the cache
+    write: the same roundings, but a half-height tile may sum K in another order, so within 2 ulps;
+    the cache holds exactly what the epilogue returned for k and v."""
+    from rlt_serve.attention.backend import KVWriteTarget
+    from rlt_serve.models.gemv import QKVEpilogue, epilogue_fits
+
+    d = 128
+    g = torch.Generator(device="cuda").manual_seed(heads)
+    bf = {"device": "cuda", "dtype": torch.bfloat16}
+    w = torch.randn((heads + 2 * kv_heads) * d, k, generator=g, **bf) * k**-0.5
+    for m in range(1, gemv_mod.MAX_M + 1):
+        x = torch.randn(m, k, generator=g, **bf)
+        cos, sin = torch.rand(m, d, generator=g, **bf), torch.rand(m, d, generator=g, **bf)
+        caches = [torch.zeros(2, 16, kv_heads, d, **bf) for _ in range(2)]
+        slot = torch.randperm(16, device="cuda")[:m]
+        target = KVWriteTarget(*caches, slot, torch.ones(m, dtype=torch.long, device="cuda"), None, 0)
+        epi = QKVEpilogue(cos, sin, heads, kv_heads, d, target)
+        assert epilogue_fits(m, w, epi)
+        got = gemv_mod._launch(x, w, False, None, None, epi)[1]
+        q, kk, v = gemv(x, w).split([heads * d, kv_heads * d, kv_heads * d], dim=-1)
+        q, kk = fused_ops.rope(q.reshape(m, heads, d), kk.reshape(m, kv_heads, d), cos[:, None], sin[:, None])
+        assert _ulps(got, torch.cat([q.reshape(m, -1), kk.reshape(m, -1), v], dim=-1)) <= 2.0, m
+        _, got_k, got_v = got.split([heads * d, kv_heads * d, kv_heads * d], dim=-1)
+        assert torch.equal(caches[0][1, slot], got_k.reshape(m, kv_heads, d)), m
+        assert torch.equal(caches[1][1, slot], got_v.reshape(m, kv_heads, d)), m
 
 
 def test_gemv_graph_replay_equals_eager():
@@ -112,22 +143,26 @@ def test_dispatch_on_cuda(monkeypatch):
 
 
 @pytest.mark.parametrize(
-    "family,prologue", [("ouro", "0"), ("nanbeige", "0"), ("huginn", "0"), ("ouro", "1"), ("nanbeige", "1")]
-)
-def test_engine_bf16_decode_gemv_matches_cublas(tmp_checkpoint, monkeypatch, family, prologue):
+    "family,fusions",
+    [("ouro", ""), ("nanbeige", ""), ("huginn", ""), ("ouro", "RLT_NORM_PROLOGUE"), ("ouro", "RLT_QKV_EPILOGUE"),
+     ("ouro", "RLT_NORM_PROLOGUE RLT_QKV_EPILOGUE"), ("nanbeige", "RLT_NORM_PROLOGUE RLT_QKV_EPILOGUE")],
+)  # fmt: skip
+def test_engine_bf16_decode_gemv_matches_cublas(tmp_checkpoint, monkeypatch, family, fusions):
     """Whole engine, bf16, graphs on, concurrency 1 and 8: decode through the GEMV (with the norms
-    in the projections' prologues or not) gives cuBLAS's tokens and logprobs up to the first token
-    a bf16 near-tie may flip."""
+    in the projections' prologues and RoPE + K/V write in the qkv epilogue, or not) gives cuBLAS's
+    tokens and logprobs up to the first token a bf16 near-tie may flip."""
     from test_gpu import SHAPES as ENGINE_SHAPES
     from test_gpu import _steady_decode
 
     path = tmp_checkpoint(family, seed=7, dtype="bfloat16", **ENGINE_SHAPES.get(family, {}))
     for concurrency in (1, 8):
         monkeypatch.setenv("RLT_GEMV", "0")
-        monkeypatch.setenv("RLT_NORM_PROLOGUE", "0")
+        for name in ("RLT_NORM_PROLOGUE", "RLT_QKV_EPILOGUE"):
+            monkeypatch.setenv(name, "0")
         want, _ = _steady_decode(path, "bfloat16", concurrency)
         monkeypatch.setenv("RLT_GEMV", "1")
-        monkeypatch.setenv("RLT_NORM_PROLOGUE", prologue)
+        for name in fusions.split():
+            monkeypatch.setenv(name, "1")
         got, engine = _steady_decode(path, "bfloat16", concurrency)
         assert engine.stats().num_cuda_graph_replays > 0
         assert got.keys() == want.keys()

@@ -74,14 +74,14 @@ def test_auto_stays_torch_on_cpu_even_when_interpreting():
     assert get_attention_backend("triton", torch.device("cpu")).name == "triton"
 
 
-def _greedy(path: str, backend: str) -> dict[str, tuple[list[int], list[float]]]:
+def _greedy(path: str, backend: str, loops: tuple = (4, 2, 3)) -> dict[str, tuple[list[int], list[float]]]:
     engine = LLMEngine(path, dtype="float32", device="cpu", skip_tokenizer_init=True, attention_backend=backend,
                        page_size=4, long_prefill_token_threshold=5, max_num_batched_tokens=12, max_loops=4)  # fmt: skip
     rng = random.Random(1)
-    for i, loops in enumerate((4, 2, 3)):
+    for i, n in enumerate(loops):
         prompt = [rng.randrange(3, 384) for _ in range(rng.randint(1, 12))]
         engine.add_request(str(i), prompt, SamplingParams(temperature=0, max_tokens=4, ignore_eos=True, logprobs=1,
-                                                          num_loops=loops))  # fmt: skip
+                                                          num_loops=n))  # fmt: skip
     done = {}
     while engine.has_unfinished_requests():
         done.update({o.request_id: o.outputs[0] for o in engine.step() if o.finished})
@@ -93,6 +93,36 @@ def test_engine_greedy_triton_matches_torch(tmp_checkpoint):
     """Chunked prompts, mixed depths and decode through the whole engine, both backends."""
     path = tmp_checkpoint("ouro", seed=3, num_attention_heads=4, num_key_value_heads=2, head_dim=16)
     want, got = _greedy(path, "torch"), _greedy(path, "triton")
+    assert got.keys() == want.keys()
+    for rid, (tokens, logprobs) in want.items():
+        assert got[rid][0] == tokens, rid
+        assert max(abs(a - b) for a, b in zip(got[rid][1], logprobs)) < 1e-4
+
+
+@pytest.mark.parametrize("family", ["ouro", "nanbeige"])
+def test_engine_fused_projections_match_torch(tmp_checkpoint, monkeypatch, family):
+    """The decode GEMV forced onto the CPU (RLT_GEMV=interpret) with both fusions on: the norms in
+    the qkv and gate|up prologues and RoPE plus the K/V write in the qkv epilogue. Chunked prompts,
+    mixed depths and decode equal the torch backend's, and every fused path actually ran."""
+    from rlt_serve.models import gemv
+
+    path = tmp_checkpoint(family, seed=4, num_attention_heads=4, num_key_value_heads=2, head_dim=16)
+    loops = (4, 2, 3) if family == "ouro" else (None, None, None)  # Nanbeige runs a fixed depth
+    want = _greedy(path, "torch", loops)
+    calls = {"norm": 0, "epilogue": 0, "kv": 0}
+    launch = gemv._launch
+
+    def counting(x, w, silu, config, norm, epi=None):
+        calls["norm"] += norm is not None
+        calls["epilogue"] += epi is not None
+        calls["kv"] += epi is not None and epi.kv is not None
+        return launch(x, w, silu, config, norm, epi)
+
+    monkeypatch.setattr(gemv, "_launch", counting)
+    for name in ("RLT_GEMV", "RLT_NORM_PROLOGUE", "RLT_QKV_EPILOGUE"):
+        monkeypatch.setenv(name, "interpret" if name == "RLT_GEMV" else "1")
+    got = _greedy(path, "triton", loops)
+    assert min(calls.values()) > 0, calls
     assert got.keys() == want.keys()
     for rid, (tokens, logprobs) in want.items():
         assert got[rid][0] == tokens, rid

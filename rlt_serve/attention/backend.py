@@ -12,7 +12,7 @@ from __future__ import annotations
 import os
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -49,6 +49,18 @@ class AttentionMetadata:
     extra: Any = None
 
 
+class KVWriteTarget(NamedTuple):
+    """Where a fused producer of K/V (the qkv GEMV's epilogue) writes a layer's new tokens: the
+    plane layout of the Triton backend's own write (flat [planes, slots, kv_heads, head_dim])."""
+
+    k_cache: torch.Tensor
+    v_cache: torch.Tensor
+    slot_mapping: torch.Tensor  # [T]
+    depth_slot: torch.Tensor  # [T]
+    write_mask: torch.Tensor | None  # [T] int8, or None: every token writes
+    plane_base: int
+
+
 class AttentionBackend(ABC):
     name: str = "abstract"
     reason: str = ""  # why get_attention_backend chose it (reported by the bench and recipes)
@@ -81,6 +93,11 @@ class AttentionBackend(ABC):
     def prepare_extra(self, meta: AttentionMetadata, kv: KVCache) -> Any:
         return None
 
+    def kv_write_target(self, kv: KVCache, layer: int, meta: AttentionMetadata) -> KVWriteTarget | None:
+        """Where another kernel may write this layer's K/V before `forward(..., kv_written=True)`;
+        None: this backend writes K/V itself."""
+        return None
+
     @abstractmethod
     def forward(
         self,
@@ -91,6 +108,7 @@ class AttentionBackend(ABC):
         layer: int,
         meta: AttentionMetadata,
         scale: float,
+        kv_written: bool = False,  # K/V already in the cache (only where kv_write_target is not None)
     ) -> torch.Tensor:  # [T, heads, head_dim]
         ...
 

@@ -148,7 +148,8 @@ class FlashAttentionBackend(AttentionBackend):
             write_mask=mask.to(dev).view(-1, 1, 1) if mask is not None else None,
         )
 
-    def forward(self, q, k, v, kv, layer, meta, scale):
+    def forward(self, q, k, v, kv, layer, meta, scale, kv_written=False):
+        assert not kv_written, "this backend writes K/V itself (kv_write_target is None)"
         d: FlashCallData = meta.extra
         num_planes, n, ps, kv_heads, head_dim = kv.k.shape
         plane_rows = n * ps

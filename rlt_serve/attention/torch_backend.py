@@ -28,7 +28,8 @@ class TorchAttentionBackend(AttentionBackend):
             out.append((ctx, mask))
         return out
 
-    def forward(self, q, k, v, kv, layer, meta, scale):
+    def forward(self, q, k, v, kv, layer, meta, scale, kv_written=False):
+        assert not kv_written, "this backend writes K/V itself (kv_write_target is None)"
         k_flat, v_flat = kv.flat(layer)
         base = kv.plane_base(layer)
         planes, slots = meta.token_depth_slot + base, meta.slot_mapping

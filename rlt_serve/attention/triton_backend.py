@@ -7,7 +7,8 @@ KV plane `plane_base + depth_slot[row]` through the row's page table, gathering 
 position, so page size 1 and 16 take the same path and rows at different depths share one launch.
 Softmax is online (running max and sum in fp32); head dims that are not a power of two are padded
 and masked. K/V of the new tokens is written first by a small kernel (tokens masked out by
-`write_mask` keep what the cache holds), then every query reads its keys from the cache.
+`write_mask` keep what the cache holds), then every query reads its keys from the cache; or the
+qkv GEMV's epilogue writes them (`kv_write_target`, `forward(..., kv_written=True)`).
 
 When a call has too few programs to fill the GPU (decode at low concurrency: one row is only
 `kv_heads` programs) and long contexts, each program's key range is split (flash-decoding): the
@@ -25,7 +26,7 @@ from typing import Any
 
 import torch
 
-from rlt_serve.attention.backend import AttentionBackend, AttentionMetadata
+from rlt_serve.attention.backend import AttentionBackend, AttentionMetadata, KVWriteTarget
 from rlt_serve.engine.kv_cache import KVCache
 from rlt_serve.host_copy import to_device
 from rlt_serve.triton_jit import jit, next_pow2, pdl, triton_missing
@@ -324,9 +325,16 @@ class TritonAttentionBackend(AttentionBackend):
             target = 2 * self._sms
         return max(1, min(-(-target // programs), max_context // self.min_split_keys, self.max_splits))
 
-    def forward(self, q, k, v, kv, layer, meta, scale):
+    def kv_write_target(self, kv: KVCache, layer: int, meta: AttentionMetadata) -> KVWriteTarget:
         data: TritonCallData = meta.extra
-        self.write(k, v, kv, layer, meta)
+        k_flat, v_flat = kv.flat(layer)
+        return KVWriteTarget(k_flat, v_flat, meta.slot_mapping, meta.token_depth_slot, data.write_mask,
+                             kv.plane_base(layer))  # fmt: skip
+
+    def forward(self, q, k, v, kv, layer, meta, scale, kv_written=False):
+        data: TritonCallData = meta.extra
+        if not kv_written:
+            self.write(k, v, kv, layer, meta)
         t, heads, head_dim = q.shape
         kv_heads = k.shape[1]
         q = q.to(kv.k.dtype)  # no-op in the engine: q is in the KV dtype

@@ -18,7 +18,10 @@ results equal the torch path up to the fp32 reduction order.
 
 The projections after a norm (qkv, gate|up) can take the norm into their prologue (norm_gemv,
 `RLT_NORM_PROLOGUE=1`): each program finds the rows' 1/rms itself and normalises x tiles as it
-loads them, which saves a launch and a round trip to memory per norm, two a layer-loop.
+loads them, which saves a launch and a round trip to memory per norm, two a layer-loop. The qkv
+projection can end in RoPE and the K/V cache write (norm_qkv, `RLT_QKV_EPILOGUE=1`): a program
+takes rotation pairs (rows j and j + head_dim/2 of one head, as gate|up pairs gate and up rows),
+so the rope and write_kv launches go too. Both are off until measured on the H200.
 
 Tile shapes are fixed per shape class (no autotuning: the calls are captured in CUDA graphs), no
 host syncs, and nothing is allocated but the output (and the split-K partials) via torch.empty.
@@ -33,6 +36,7 @@ from typing import Any, NamedTuple
 import torch
 import torch.nn.functional as F
 
+from rlt_serve.attention.backend import KVWriteTarget
 from rlt_serve.models import fused_ops
 from rlt_serve.triton_jit import device_function, jit, next_pow2, pdl, triton_missing
 
@@ -108,13 +112,62 @@ def _x_tile(x_rows, r_rows, h_rows, w_pre, w_post, s_pre, s_post, ks, k_ok, m_ok
     return (w_2.to(tl.float32) * (t * s_post).to(x.dtype).to(tl.float32)).to(x.dtype)
 
 
+@device_function
+def _rope_kv_epilogue(out_lo, out_hi, y_ptr, stride_ym, ms, m_ok, rows, j0, head, cos_ptr, sin_ptr, stride_c,
+                      k_cache, v_cache, slot_ptr, depth_ptr, wmask_ptr, plane_base, stride_plane, stride_slot,
+                      n_q_heads, n_kv_heads, HEAD_D: tl.constexpr, BLOCK_N: tl.constexpr, KV_WRITE: tl.constexpr,
+                      HAS_WMASK: tl.constexpr):  # fmt: skip
+    """A qkv program's [BLOCK_M, BLOCK_N] pair halves: q and k heads rotated with fused_ops' RoPE
+    rounding (each product and the sum round to the dtype), all stored to y; with KV_WRITE k and v
+    also go to each token's cache slot in its depth plane, as the Triton backend's write does
+    (tokens whose write mask is 0 keep what the cache holds)."""
+    half: tl.constexpr = HEAD_D // 2
+    dt = y_ptr.dtype.element_ty
+    x1 = out_lo.to(dt).to(tl.float32)
+    x2 = out_hi.to(dt).to(tl.float32)
+    mask = m_ok[:, None] & (rows >= 0)[None, :]
+    d = j0 + tl.arange(0, BLOCK_N)
+    roped = head < n_q_heads + n_kv_heads
+    c_at = ms[:, None] * stride_c + d[None, :]
+    c1 = tl.load(cos_ptr + c_at, mask=mask & roped, other=0.0).to(tl.float32)
+    c2 = tl.load(cos_ptr + c_at + half, mask=mask & roped, other=0.0).to(tl.float32)
+    s1 = tl.load(sin_ptr + c_at, mask=mask & roped, other=0.0).to(tl.float32)
+    s2 = tl.load(sin_ptr + c_at + half, mask=mask & roped, other=0.0).to(tl.float32)
+    y1 = ((x1 * c1).to(dt).to(tl.float32) + (-x2 * s1).to(dt).to(tl.float32)).to(dt)
+    y2 = ((x2 * c2).to(dt).to(tl.float32) + (x1 * s2).to(dt).to(tl.float32)).to(dt)
+    y1 = tl.where(roped, y1, x1.to(dt))
+    y2 = tl.where(roped, y2, x2.to(dt))
+    y_at = y_ptr + ms[:, None] * stride_ym + rows[None, :]
+    tl.store(y_at, y1, mask=mask)
+    tl.store(y_at + half, y2, mask=mask)
+    if KV_WRITE:
+        is_v = head >= n_q_heads + n_kv_heads
+        col = (head - n_q_heads - is_v.to(tl.int32) * n_kv_heads) * HEAD_D + d
+        ok = m_ok & (head >= n_q_heads)
+        if HAS_WMASK:
+            ok = ok & (tl.load(wmask_ptr + ms, mask=m_ok, other=0) != 0)
+        plane = (plane_base + tl.load(depth_ptr + ms, mask=m_ok, other=0)).to(tl.int64)
+        slot = tl.load(slot_ptr + ms, mask=m_ok, other=0).to(tl.int64)
+        at = (plane * stride_plane + slot * stride_slot)[:, None] + col[None, :]
+        k_ok = ok[:, None] & (rows >= 0)[None, :] & ~is_v
+        v_ok = ok[:, None] & (rows >= 0)[None, :] & is_v
+        kt = k_cache.dtype.element_ty
+        tl.store(k_cache + at, y1.to(kt), mask=k_ok)
+        tl.store(k_cache + at + half, y2.to(kt), mask=k_ok)
+        tl.store(v_cache + at, y1.to(kt), mask=v_ok)
+        tl.store(v_cache + at + half, y2.to(kt), mask=v_ok)
+
+
 def _gemv_kernel(
     x_ptr, w_ptr, y_ptr, part_ptr, M, N, K, k_split, split, up_off,
     stride_xm, stride_wn, stride_ym,
     res_ptr, h_ptr, w_pre, w_post, eps_pre, eps_post, stride_rm, stride_hm,
+    cos_ptr, sin_ptr, stride_c, k_cache, v_cache, slot_ptr, depth_ptr, wmask_ptr, plane_base,
+    stride_plane, stride_slot, n_q_heads, n_kv_heads,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PARTIAL: tl.constexpr,
     SILU: tl.constexpr, MODE: tl.constexpr, NORM: tl.constexpr, HAS_PRE: tl.constexpr, HAS_RES: tl.constexpr,
-    K_P: tl.constexpr, PDL: tl.constexpr,
+    K_P: tl.constexpr, ROPE: tl.constexpr, HEAD_D: tl.constexpr, KV_WRITE: tl.constexpr, HAS_WMASK: tl.constexpr,
+    PAIRED: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     """Program (n block, k split): outputs [n0, n0+BLOCK_N) over K range [s*k_split, (s+1)*k_split).
     With SILU, up rows sit `up_off` rows below the gate rows. PARTIAL stores fp32 partials
@@ -122,12 +175,19 @@ def _gemv_kernel(
     With NORM the input is post(res + pre(x)) (fused_ops' add_rms_norm; pre and res optional):
     every program finds each row's 1/rms over all of K first, then normalises each x tile as it
     loads it, and the programs of n block 0 store h = res + pre(x) for the next residual add.
+    With ROPE (a qkv projection) a program takes BLOCK_N rotation pairs of one head, rows j and
+    j + HEAD_D/2 (as SILU takes gate and up rows), and ends in _rope_kv_epilogue. PAIRED: SILU or ROPE.
     With PDL the first W tile (MODE 0) is loaded before waiting for the kernel that wrote x."""
     if PDL:
         tl.extra.cuda.gdc_launch_dependents()
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
-    rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    if ROPE:
+        head = pid_n // (HEAD_D // 2 // BLOCK_N)
+        j0 = pid_n % (HEAD_D // 2 // BLOCK_N) * BLOCK_N
+        rows = head * HEAD_D + j0 + tl.arange(0, BLOCK_N)
+    else:
+        rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = rows < N
     ms = tl.arange(0, BLOCK_M)
     m_ok = ms < M
@@ -155,7 +215,7 @@ def _gemv_kernel(
             k_ok = ks < K
             w_mask = n_ok[:, None] & k_ok[None, :]
             w = tl.load(w_rows + ks[None, :], mask=w_mask, other=0.0)
-            if SILU:
+            if PAIRED:
                 wu = tl.load(w_rows + up_off * stride_wn + ks[None, :], mask=w_mask, other=0.0)
         tl.extra.cuda.gdc_wait()
     if NORM:
@@ -169,7 +229,7 @@ def _gemv_kernel(
             else:
                 x = tl.load(x_rows + ks[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
             acc += w.to(tl.float32) * x.to(tl.float32)
-            if SILU:
+            if PAIRED:
                 acc_u += wu.to(tl.float32) * x.to(tl.float32)
             k_start = k_lo + BLOCK_K
     for k0 in range(k_start, k_lo + k_split, BLOCK_K):
@@ -188,7 +248,7 @@ def _gemv_kernel(
             acc = tl.dot(x, tl.trans(w), acc)
         else:
             acc = tl.dot(w, tl.trans(x), acc)
-        if SILU:
+        if PAIRED:
             wu = tl.load(w_rows + up_off * stride_wn + ks[None, :], mask=w_mask, other=0.0)
             if MODE == 0:
                 acc_u += wu.to(tl.float32) * x.to(tl.float32)
@@ -207,7 +267,11 @@ def _gemv_kernel(
         out = tl.trans(acc)
         out_u = tl.trans(acc_u)
     mask = m_ok[:, None] & n_ok[None, :]
-    if not PARTIAL:
+    if ROPE:  # never split (see _launch)
+        _rope_kv_epilogue(out, out_u, y_ptr, stride_ym, ms, m_ok, rows, j0, head, cos_ptr, sin_ptr, stride_c,
+                          k_cache, v_cache, slot_ptr, depth_ptr, wmask_ptr, plane_base, stride_plane, stride_slot,
+                          n_q_heads, n_kv_heads, HEAD_D, BLOCK_N, KV_WRITE, HAS_WMASK)  # fmt: skip
+    elif not PARTIAL:
         dt = y_ptr.dtype.element_ty
         if SILU:
             g = out.to(dt).to(tl.float32)
@@ -286,23 +350,61 @@ def gemv(x: torch.Tensor, w: torch.Tensor, silu: bool = False, config: GemvConfi
 
 
 def norm_gemv(
-    p: fused_ops.PendingNorm, w: torch.Tensor, silu: bool = False, config: GemvConfig | None = None
+    p: fused_ops.PendingNorm, w: torch.Tensor, silu: bool = False, config: GemvConfig | None = None,
+    epilogue: QKVEpilogue | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(h, gemv(y, w)) of a pending norm's h and y, the norm computed in the GEMV's prologue."""
+    """(h, gemv(y, w)) of a pending norm's h and y, the norm computed in the GEMV's prologue; with
+    an `epilogue` (a qkv projection, see epilogue_fits) q and k come out rotated and K/V written."""
     if p.residual is None and p.pre is not None:
         raise ValueError("norm_gemv: a norm before the residual add needs a residual")
     if p.residual is not None and (p.residual.shape != p.x.shape or p.residual.dtype != p.x.dtype):
         raise ValueError(f"norm_gemv: residual {tuple(p.residual.shape)} does not match x {tuple(p.x.shape)}")
-    return _launch(p.x, w, silu, config, p)
+    return _launch(p.x, w, silu, config, p, epilogue)
+
+
+class QKVEpilogue(NamedTuple):
+    """RoPE of q and k, and with `kv` the K/V cache write, done by the qkv GEMV on its outputs."""
+
+    cos: torch.Tensor  # [T, head_dim], the model dtype
+    sin: torch.Tensor
+    heads: int
+    kv_heads: int
+    head_dim: int
+    kv: KVWriteTarget | None
+
+
+def epilogue_fits(m: int, w: torch.Tensor, epilogue: QKVEpilogue, config: GemvConfig | None = None) -> bool:
+    """Whether a qkv GEMV of `m` rows can take the epilogue: its tile splits neither K nor a head's
+    rotation halves (and tl.dot tiles keep 16 rows)."""
+    n, k = w.shape
+    e = epilogue
+    cfg = config or default_config(m, n, k, False)
+    half, block = e.head_dim // 2, cfg.block_n // 2
+    return (
+        n == (e.heads + 2 * e.kv_heads) * e.head_dim
+        and e.head_dim % 2 == 0
+        and block >= (1 if cfg.mode == 0 else 16)
+        and half % block == 0
+        and _k_split(k, cfg)[1] == 1
+    )
+
+
+def _k_split(k: int, cfg: GemvConfig) -> tuple[int, int]:
+    """(K per split, splits): whole K blocks per split."""
+    k_split = -(-k // (cfg.split_k * cfg.block_k)) * cfg.block_k
+    return k_split, -(-k // k_split)
 
 
 def _launch(
-    x: torch.Tensor, w: torch.Tensor, silu: bool, config: GemvConfig | None, norm: fused_ops.PendingNorm | None
-) -> tuple[torch.Tensor, torch.Tensor]:
+    x: torch.Tensor, w: torch.Tensor, silu: bool, config: GemvConfig | None, norm: fused_ops.PendingNorm | None,
+    epi: QKVEpilogue | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
     m, k = x.shape
     rows, kw = w.shape
     if kw != k or (silu and rows % 2):
         raise ValueError(f"gemv: x {tuple(x.shape)} and w {tuple(w.shape)} do not fit (silu={silu})")
+    if epi is not None and (silu or not epilogue_fits(m, w, epi, config)):
+        raise ValueError(f"gemv: the qkv epilogue does not fit w {tuple(w.shape)} at M={m}")
     if x.stride(-1) != 1:
         x = x.contiguous()
     if w.stride(-1) != 1:
@@ -319,18 +421,27 @@ def _launch(
     if m == 0 or n == 0:
         return h, y
     block_m = 1 if cfg.mode == 0 else max(16, next_pow2(m))
-    k_split = -(-k // (cfg.split_k * cfg.block_k)) * cfg.block_k  # whole K blocks per split
-    split = -(-k // k_split)
+    k_split, split = _k_split(k, cfg)
     part = torch.empty((2 if silu else 1) * split * m * n, dtype=torch.float32, device=x.device) if split > 1 else y
     pre, post = (norm.pre, norm.post) if norm is not None else (None, None)
-    jit(_gemv_kernel)[(triton.cdiv(n, cfg.block_n), split)](
-        x, w, y, part, m, n, k, k_split, split, n, x.stride(0), w.stride(0), y.stride(0),
+    kvw = epi.kv if epi is not None else None
+    cos, sin = (epi.cos, epi.sin) if epi is not None else (x, x)
+    block_n = cfg.block_n // 2 if epi is not None else cfg.block_n  # a pair of rows each
+    jit(_gemv_kernel)[(triton.cdiv(n, 2 * block_n if epi is not None else block_n), split)](
+        x, w, y, part, m, n, k, k_split, split, epi.head_dim // 2 if epi is not None else n,
+        x.stride(0), w.stride(0), y.stride(0),
         res if res is not None else x, h, pre.weight if pre is not None else x, post.weight if post is not None else x,
         pre.eps if pre is not None else 0.0, post.eps if post is not None else 0.0,
         res.stride(0) if res is not None else 0, h.stride(0),
-        BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, PARTIAL=split > 1, SILU=silu, MODE=cfg.mode,
+        cos, sin, cos.stride(0), *(kvw[:4] if kvw is not None else (x, x, x, x)),
+        kvw.write_mask if kvw is not None and kvw.write_mask is not None else x,
+        *((kvw.plane_base, kvw.k_cache.stride(0), kvw.k_cache.stride(1)) if kvw is not None else (0, 0, 0)),
+        epi.heads if epi is not None else 0, epi.kv_heads if epi is not None else 0,
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=cfg.block_k, PARTIAL=split > 1, SILU=silu, MODE=cfg.mode,
         NORM=norm is not None, HAS_PRE=pre is not None, HAS_RES=res is not None,
-        K_P=next_pow2(k) if norm is not None else 1,
+        K_P=next_pow2(k) if norm is not None else 1, ROPE=epi is not None,
+        HEAD_D=epi.head_dim if epi is not None else 2, KV_WRITE=kvw is not None,
+        HAS_WMASK=kvw is not None and kvw.write_mask is not None, PAIRED=silu or epi is not None,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl(x),
     )  # fmt: skip
     if split > 1:
@@ -342,11 +453,14 @@ def _launch(
 
 
 def _use_gemv(x: torch.Tensor, w: torch.Tensor, silu: bool = False) -> bool:
+    """Decode-sized CUDA inputs; with `RLT_GEMV=interpret` also the CPU (Triton's interpreter, any
+    float dtype), so the layers' fused paths run in CPU tests."""
+    interpret = os.environ.get("RLT_GEMV") == "interpret" and os.environ.get("TRITON_INTERPRET") == "1"
     return (
-        x.is_cuda
+        (x.is_cuda or (interpret and x.device.type == "cpu"))
         and x.dim() == 2
         and x.shape[0] <= MAX_M
-        and x.dtype in _DTYPES
+        and (x.dtype in _DTYPES or (interpret and x.dtype == torch.float32))
         and w.dtype == x.dtype
         and (silu or not cublas_wins(x.shape[0], w.shape[0], w.shape[1]))
         and os.environ.get("RLT_GEMV", "1") != "0"
@@ -384,3 +498,26 @@ def norm_gate_up_silu(p: fused_ops.PendingNorm, gate_up: torch.Tensor) -> tuple[
         return norm_gemv(p, gate_up, silu=True)
     h, y = p.resolve()
     return h, gate_up_silu(y, gate_up)
+
+
+def qkv_epilogue() -> bool:
+    """Whether the qkv GEMV rotates q and k and writes K/V itself (`RLT_QKV_EPILOGUE=1`). Off by
+    default: tested in Triton's interpreter, not yet run on a GPU (recipes/ouro.md)."""
+    return os.environ.get("RLT_QKV_EPILOGUE", "0") == "1"
+
+
+def norm_qkv(
+    p: fused_ops.PendingNorm, w: torch.Tensor, epilogue: QKVEpilogue
+) -> tuple[torch.Tensor, torch.Tensor, bool]:
+    """(h, qkv, done): with qkv_epilogue() and a GEMV tile that fits, one kernel (the norm per
+    norm_prologue()) whose q and k are rotated and, where `epilogue.kv`, K/V written (done True);
+    otherwise norm_linear's result, to be rotated and written by the caller."""
+    if qkv_epilogue() and _use_gemv(p.x, w) and epilogue_fits(p.x.shape[0], w, epilogue):
+        if norm_prologue():
+            h, y = norm_gemv(p, w, epilogue=epilogue)
+        else:
+            h, x = p.resolve()
+            y = _launch(x, w, False, None, None, epilogue)[1]
+        return h, y, True
+    h, y = norm_linear(p, w)
+    return h, y, False

@@ -98,20 +98,26 @@ class PagedAttention(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """(residual stream, attention output) of a pending norm's input; see PendingNorm."""
         t = x.x.shape[0]
+        done, target = False, None
         if self.qkv is None:
             h, y = x.resolve()
             q, k, v = self.q_proj(y), self.k_proj(y), self.v_proj(y)
         else:
             nq, nkv = self.heads * self.head_dim, self.kv_heads * self.head_dim
-            h, qkv = gemv.norm_linear(x, self.qkv)
+            target = ctx.backend.kv_write_target(ctx.kv, self.layer, ctx.meta)
+            cos, sin = (c.reshape(t, self.head_dim) for c in cos_sin)
+            epilogue = gemv.QKVEpilogue(cos, sin, self.heads, self.kv_heads, self.head_dim, target)
+            h, qkv, done = gemv.norm_qkv(x, self.qkv, epilogue)  # done: rotated and K/V written
             q, k, v = qkv.split([nq, nkv, nkv], dim=-1)
         q = q.view(t, self.heads, self.head_dim)
         k = k.view(t, self.kv_heads, self.head_dim)
         v = v.view(t, self.kv_heads, self.head_dim)
-        q, k = fused_ops.rope(q, k, *cos_sin)
+        if not done:
+            q, k = fused_ops.rope(q, k, *cos_sin)
         if not ctx.backend.strided_qkv:
             q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
-        o = ctx.backend.forward(q, k, v, ctx.kv, self.layer, ctx.meta, self.scale)
+        kv_written = done and target is not None
+        o = ctx.backend.forward(q, k, v, ctx.kv, self.layer, ctx.meta, self.scale, kv_written=kv_written)
         return h, gemv.linear(o.reshape(t, self.heads * self.head_dim), self.o_proj.weight)
 
 
