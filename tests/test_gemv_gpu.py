@@ -145,19 +145,21 @@ def test_dispatch_on_cuda(monkeypatch):
 @pytest.mark.parametrize(
     "family,fusions",
     [("ouro", ""), ("nanbeige", ""), ("huginn", ""), ("ouro", "RLT_NORM_PROLOGUE"), ("ouro", "RLT_QKV_EPILOGUE"),
-     ("ouro", "RLT_NORM_PROLOGUE RLT_QKV_EPILOGUE"), ("nanbeige", "RLT_NORM_PROLOGUE RLT_QKV_EPILOGUE")],
+     ("ouro", "RLT_ATTN_PREFETCH"), ("ouro", "RLT_NORM_PROLOGUE RLT_QKV_EPILOGUE RLT_ATTN_PREFETCH"),
+     ("nanbeige", "RLT_NORM_PROLOGUE RLT_QKV_EPILOGUE RLT_ATTN_PREFETCH")],
 )  # fmt: skip
 def test_engine_bf16_decode_gemv_matches_cublas(tmp_checkpoint, monkeypatch, family, fusions):
-    """Whole engine, bf16, graphs on, concurrency 1 and 8: decode through the GEMV (with the norms
-    in the projections' prologues and RoPE + K/V write in the qkv epilogue, or not) gives cuBLAS's
-    tokens and logprobs up to the first token a bf16 near-tie may flip."""
+    """Whole engine, bf16, graphs on, concurrency 1 and 8: decode through the GEMV (with the opt-in
+    fusions: norms in the projections' prologues, RoPE + K/V write in the qkv epilogue, the
+    attention's prefetch; or none) gives cuBLAS's tokens and logprobs up to the first token a bf16
+    near-tie may flip."""
     from test_gpu import SHAPES as ENGINE_SHAPES
     from test_gpu import _steady_decode
 
     path = tmp_checkpoint(family, seed=7, dtype="bfloat16", **ENGINE_SHAPES.get(family, {}))
     for concurrency in (1, 8):
         monkeypatch.setenv("RLT_GEMV", "0")
-        for name in ("RLT_NORM_PROLOGUE", "RLT_QKV_EPILOGUE"):
+        for name in ("RLT_NORM_PROLOGUE", "RLT_QKV_EPILOGUE", "RLT_ATTN_PREFETCH"):
             monkeypatch.setenv(name, "0")
         want, _ = _steady_decode(path, "bfloat16", concurrency)
         monkeypatch.setenv("RLT_GEMV", "1")
