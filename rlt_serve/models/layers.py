@@ -104,10 +104,13 @@ class PagedAttention(nn.Module):
             q, k, v = self.q_proj(y), self.k_proj(y), self.v_proj(y)
         else:
             nq, nkv = self.heads * self.head_dim, self.kv_heads * self.head_dim
-            target = ctx.backend.kv_write_target(ctx.kv, self.layer, ctx.meta)
-            cos, sin = (c.reshape(t, self.head_dim) for c in cos_sin)
-            epilogue = gemv.QKVEpilogue(cos, sin, self.heads, self.kv_heads, self.head_dim, target)
-            h, qkv, done = gemv.norm_qkv(x, self.qkv, epilogue)  # done: rotated and K/V written
+            if gemv.qkv_epilogue():
+                target = ctx.backend.kv_write_target(ctx.kv, self.layer, ctx.meta)
+                cos, sin = (c.reshape(t, self.head_dim) for c in cos_sin)
+                epilogue = gemv.QKVEpilogue(cos, sin, self.heads, self.kv_heads, self.head_dim, target)
+                h, qkv, done = gemv.norm_qkv(x, self.qkv, epilogue)  # done: rotated and K/V written
+            else:
+                h, qkv = gemv.norm_linear(x, self.qkv)
             q, k, v = qkv.split([nq, nkv, nkv], dim=-1)
         q = q.view(t, self.heads, self.head_dim)
         k = k.view(t, self.kv_heads, self.head_dim)
