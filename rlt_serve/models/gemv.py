@@ -113,7 +113,7 @@ def _x_tile(x_rows, r_rows, h_rows, w_pre, w_post, s_pre, s_post, ks, k_ok, m_ok
 
 
 @device_function
-def _rope_kv_epilogue(out_lo, out_hi, y_ptr, stride_ym, ms, m_ok, rows, j0, head, cos_ptr, sin_ptr, stride_c,
+def _rope_kv_epilogue(out_lo, out_hi, y_ptr, stride_ym, ms, m_ok, mask, rows, j0, head, cos_ptr, sin_ptr, stride_c,
                       k_cache, v_cache, slot_ptr, depth_ptr, wmask_ptr, plane_base, stride_plane, stride_slot,
                       n_q_heads, n_kv_heads, HEAD_D: tl.constexpr, BLOCK_N: tl.constexpr, KV_WRITE: tl.constexpr,
                       HAS_WMASK: tl.constexpr):  # fmt: skip
@@ -125,7 +125,6 @@ def _rope_kv_epilogue(out_lo, out_hi, y_ptr, stride_ym, ms, m_ok, rows, j0, head
     dt = y_ptr.dtype.element_ty
     x1 = out_lo.to(dt).to(tl.float32)
     x2 = out_hi.to(dt).to(tl.float32)
-    mask = m_ok[:, None] & (rows >= 0)[None, :]
     d = j0 + tl.arange(0, BLOCK_N)
     roped = head < n_q_heads + n_kv_heads
     c_at = ms[:, None] * stride_c + d[None, :]
@@ -149,8 +148,8 @@ def _rope_kv_epilogue(out_lo, out_hi, y_ptr, stride_ym, ms, m_ok, rows, j0, head
         plane = (plane_base + tl.load(depth_ptr + ms, mask=m_ok, other=0)).to(tl.int64)
         slot = tl.load(slot_ptr + ms, mask=m_ok, other=0).to(tl.int64)
         at = (plane * stride_plane + slot * stride_slot)[:, None] + col[None, :]
-        k_ok = ok[:, None] & (rows >= 0)[None, :] & ~is_v
-        v_ok = ok[:, None] & (rows >= 0)[None, :] & is_v
+        k_ok = ok[:, None] & mask & ~is_v
+        v_ok = ok[:, None] & mask & is_v
         kt = k_cache.dtype.element_ty
         tl.store(k_cache + at, y1.to(kt), mask=k_ok)
         tl.store(k_cache + at + half, y2.to(kt), mask=k_ok)
@@ -268,7 +267,7 @@ def _gemv_kernel(
         out_u = tl.trans(acc_u)
     mask = m_ok[:, None] & n_ok[None, :]
     if ROPE:  # never split (see _launch)
-        _rope_kv_epilogue(out, out_u, y_ptr, stride_ym, ms, m_ok, rows, j0, head, cos_ptr, sin_ptr, stride_c,
+        _rope_kv_epilogue(out, out_u, y_ptr, stride_ym, ms, m_ok, mask, rows, j0, head, cos_ptr, sin_ptr, stride_c,
                           k_cache, v_cache, slot_ptr, depth_ptr, wmask_ptr, plane_base, stride_plane, stride_slot,
                           n_q_heads, n_kv_heads, HEAD_D, BLOCK_N, KV_WRITE, HAS_WMASK)  # fmt: skip
     elif not PARTIAL:
@@ -427,7 +426,7 @@ def _launch(
     kvw = epi.kv if epi is not None else None
     cos, sin = (epi.cos, epi.sin) if epi is not None else (x, x)
     block_n = cfg.block_n // 2 if epi is not None else cfg.block_n  # a pair of rows each
-    jit(_gemv_kernel)[(triton.cdiv(n, 2 * block_n if epi is not None else block_n), split)](
+    jit(_gemv_kernel)[(triton.cdiv(n, cfg.block_n), split)](
         x, w, y, part, m, n, k, k_split, split, epi.head_dim // 2 if epi is not None else n,
         x.stride(0), w.stride(0), y.stride(0),
         res if res is not None else x, h, pre.weight if pre is not None else x, post.weight if post is not None else x,
@@ -509,10 +508,11 @@ def qkv_epilogue() -> bool:
 def norm_qkv(
     p: fused_ops.PendingNorm, w: torch.Tensor, epilogue: QKVEpilogue
 ) -> tuple[torch.Tensor, torch.Tensor, bool]:
-    """(h, qkv, done): with qkv_epilogue() and a GEMV tile that fits, one kernel (the norm per
+    """(h, qkv, done): where the GEMV serves and its tile fits, one kernel (the norm per
     norm_prologue()) whose q and k are rotated and, where `epilogue.kv`, K/V written (done True);
-    otherwise norm_linear's result, to be rotated and written by the caller."""
-    if qkv_epilogue() and _use_gemv(p.x, w) and epilogue_fits(p.x.shape[0], w, epilogue):
+    otherwise norm_linear's result, to be rotated and written by the caller. The layer calls it
+    only with qkv_epilogue() on."""
+    if _use_gemv(p.x, w) and epilogue_fits(p.x.shape[0], w, epilogue):
         if norm_prologue():
             h, y = norm_gemv(p, w, epilogue=epilogue)
         else:
