@@ -1,6 +1,6 @@
 """Paired c=1 decode timing of environment variants: which kernel option pays end to end.
 
-    python3 recipes/decode_variants.py CKPT "" "RLT_NORM_PROLOGUE=1" "RLT_PDL=0" [--rounds 2]
+    python3 recipes/decode_variants.py CKPT "" "RLT_L2_PREFETCH_MB=24" "RLT_PDL=0" [--rounds 2]
 
 Each variant is a space-separated list of NAME=VALUE settings ("" is the defaults). Per variant
 and round a fresh engine (graphs captured under that variant) prefills one random 512-token
@@ -61,7 +61,12 @@ def main() -> None:
             os.environ.clear()
             os.environ.update(base)
             os.environ.update(kv.split("=", 1) for kv in v.split())
-            results[v].append(ms_per_step(args.ckpt))
+            try:
+                results[v].append(ms_per_step(args.ckpt))
+            except Exception as e:  # a variant that fails to compile or run is reported, not fatal
+                print(f"round {rnd} {v}: {type(e).__name__}: {str(e)[:400]}", flush=True)
+                results[v].append(float("inf"))
+                continue
             print(f"round {rnd} {v or '(defaults)':<40} {results[v][-1]:.3f} ms/step", flush=True)
     os.environ.clear()
     os.environ.update(base)

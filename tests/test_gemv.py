@@ -125,36 +125,6 @@ def test_dispatch_keeps_torch_off_cuda(monkeypatch):
     assert torch.equal(gemv_mod.gate_up_silu(x, w), F.silu(gate) * up)
 
 
-@pytest.mark.parametrize("cfg", [GemvConfig(16, 64, 1, 0), GemvConfig(8, 32, 3, 0), GemvConfig(32, 32, 2, 2)],
-                         ids=lambda c: f"n{c.block_n}k{c.block_k}s{c.split_k}m{c.mode}")  # fmt: skip
-@pytest.mark.parametrize("silu", [False, True], ids=["linear", "silu"])
-def test_norm_in_the_prologue_equals_the_separate_norm(cfg, silu):
-    """norm_gemv(PendingNorm(x, res, pre, post), w) == (h, gemv(y, w)) of the torch norm: with and
-    without the residual and the sandwich pre-norm, split K included (each split stores its part of h)."""
-    from types import SimpleNamespace
-
-    from rlt_serve.models.fused_ops import PendingNorm
-
-    g = torch.Generator().manual_seed(11 + cfg.mode + silu)
-    n, k = (2 * 37, 150) if silu else (45, 167)
-    for dtype in (torch.float16, torch.float32):
-        pre = SimpleNamespace(weight=(1 + 0.1 * torch.randn(k, generator=g)).to(dtype), eps=1e-6)
-        post = SimpleNamespace(weight=(1 + 0.1 * torch.randn(k, generator=g)).to(dtype), eps=1e-5)
-        w = (torch.randn(n, k, generator=g) * k**-0.5).to(dtype)
-        for m in [1] if cfg.mode == 0 else [1, 3, 8]:
-            x, res = (torch.randn(m, k, generator=g).to(dtype) for _ in range(2))
-            for r, q in ((None, None), (res, None), (res, pre)):
-                p = PendingNorm(x, r, q, post)
-                h, y = gemv_mod.norm_gemv(p, w, silu=silu, config=cfg)
-                want_h, want_in = p.resolve()
-                assert torch.equal(h, want_h) if p.residual is None else h.data_ptr() != x.data_ptr()
-                tol = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=2e-3, rtol=2e-3)
-                torch.testing.assert_close(h, want_h, **tol)
-                torch.testing.assert_close(y, gemv(want_in, w, silu=silu, config=cfg), **tol)
-    with pytest.raises(ValueError, match="needs a residual"):
-        gemv_mod.norm_gemv(PendingNorm(x, None, pre, post), w, silu=silu, config=cfg)
-
-
 @pytest.mark.parametrize("cfg", [GemvConfig(8, 64, 1, 0), GemvConfig(4, 32, 1, 0), GemvConfig(32, 32, 1, 2)],
                          ids=lambda c: f"n{c.block_n}k{c.block_k}m{c.mode}")  # fmt: skip
 @pytest.mark.parametrize("masked", [False, True], ids=["all-write", "write-mask"])
@@ -186,7 +156,7 @@ def test_qkv_epilogue_equals_rope_then_write(cfg, masked):
             target = KVWriteTarget(k_cache.clone(), v_cache.clone(), slot, depth, wmask, 1)
             epi = QKVEpilogue(cos, sin, heads, kv_heads, d, target)
             assert epilogue_fits(m, w, epi, cfg)
-            _, got = gemv_mod._launch(x, w, False, cfg, None, epi)
+            got = gemv(x, w, config=cfg, epilogue=epi)
             want = gemv(x, w, config=cfg)
             q, kk, v = want.split([heads * d, kv_heads * d, kv_heads * d], dim=-1)
             q, kk = (fused_ops.rope_torch(t.reshape(m, -1, d), cos[:, None], sin[:, None]) for t in (q, kk))
@@ -198,4 +168,4 @@ def test_qkv_epilogue_equals_rope_then_write(cfg, masked):
             assert torch.equal(target.k_cache, k_cache) and torch.equal(target.v_cache, v_cache)
     w_bad = torch.randn((heads + 2 * kv_heads) * d + 1, k)
     with pytest.raises(ValueError, match="epilogue does not fit"):
-        gemv_mod._launch(torch.randn(1, k), w_bad, False, cfg if cfg.mode else None, None, epi)
+        gemv(torch.randn(1, k), w_bad, config=cfg if cfg.mode else None, epilogue=epi)

@@ -6,8 +6,6 @@ orders, so a result may round to the neighbouring bf16 value; beyond that they m
 
 from __future__ import annotations
 
-from types import SimpleNamespace
-
 import pytest
 import torch
 import torch.nn.functional as F
@@ -15,7 +13,6 @@ import torch.nn.functional as F
 from rlt_serve.engine.cuda_graph import capture
 from rlt_serve.models import fused_ops
 from rlt_serve.models import gemv as gemv_mod
-from rlt_serve.models.fused_ops import PendingNorm
 from rlt_serve.models.gemv import gemv
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
@@ -48,27 +45,6 @@ def test_gemv_matches_cublas_bf16(rows, k, silu):
         assert torch.equal(got, gemv(x, w, silu=silu)), "not deterministic"
 
 
-@pytest.mark.parametrize(
-    "rows,k,silu", [(6144, 2048, False), (11264, 2048, True), (8192, 3072, False), (21504, 3072, True)]
-)
-def test_norm_in_the_prologue_matches_the_norm_kernel_bf16(rows, k, silu):
-    """norm_gemv (Ouro/Nanbeige qkv and gate|up shapes) against fused_ops' norm kernel then the GEMV:
-    the 1/rms sums may round differently, so h within an ulp and y within a few."""
-    g = torch.Generator(device="cuda").manual_seed(rows)
-    bf = {"device": "cuda", "dtype": torch.bfloat16}
-    w = torch.randn(rows, k, generator=g, **bf) * k**-0.5
-    pre = SimpleNamespace(weight=1 + 0.1 * torch.randn(k, generator=g, **bf), eps=1e-6)
-    post = SimpleNamespace(weight=1 + 0.1 * torch.randn(k, generator=g, **bf), eps=1e-6)
-    for m in range(1, gemv_mod.MAX_M + 1):
-        x, res = torch.randn(m, k, generator=g, **bf), 4 * torch.randn(m, k, generator=g, **bf)
-        for p in (PendingNorm(x, None, None, post), PendingNorm(x, res, None, post), PendingNorm(x, res, pre, post)):
-            h, y = gemv_mod.norm_gemv(p, w, silu=silu)
-            want_h, want_in = p.resolve()
-            assert _ulps(h, want_h) <= 1.0, m
-            assert _ulps(y, gemv(want_in, w, silu=silu)) <= 4.0, m
-            assert torch.equal(y, gemv_mod.norm_gemv(p, w, silu=silu)[1]), "not deterministic"
-
-
 @pytest.mark.parametrize("heads,kv_heads,k", [(16, 16, 2048), (48, 8, 3072)])  # Ouro-1.4B, Nanbeige4.2
 def test_qkv_epilogue_matches_rope_and_write_bf16(heads, kv_heads, k):
     """The compiled qkv epilogue (M = 1..8) against the GEMV, fused_ops' RoPE kernel and the cache
@@ -89,7 +65,7 @@ def test_qkv_epilogue_matches_rope_and_write_bf16(heads, kv_heads, k):
         target = KVWriteTarget(*caches, slot, torch.ones(m, dtype=torch.long, device="cuda"), None, 0)
         epi = QKVEpilogue(cos, sin, heads, kv_heads, d, target)
         assert epilogue_fits(m, w, epi)
-        got = gemv_mod._launch(x, w, False, None, None, epi)[1]
+        got = gemv(x, w, epilogue=epi)
         q, kk, v = gemv(x, w).split([heads * d, kv_heads * d, kv_heads * d], dim=-1)
         q, kk = fused_ops.rope(q.reshape(m, heads, d), kk.reshape(m, kv_heads, d), cos[:, None], sin[:, None])
         assert _ulps(got, torch.cat([q.reshape(m, -1), kk.reshape(m, -1), v], dim=-1)) <= 2.0, m
@@ -98,22 +74,39 @@ def test_qkv_epilogue_matches_rope_and_write_bf16(heads, kv_heads, k):
         assert torch.equal(caches[1][1, slot], got_v.reshape(m, kv_heads, d)), m
 
 
-def test_gemv_graph_replay_equals_eager():
-    """Captured in a CUDA graph (as the decode step is), the GEMV gives the eager results bit for bit."""
+@pytest.mark.parametrize("mode", sorted(gemv_mod.L2_PREFETCH))
+def test_l2_prefetch_changes_no_result(monkeypatch, mode):
+    """o_proj sending gate|up toward L2 (each mode's PTX, every program's share, a budget larger
+    than the weight) returns exactly what it returns without."""
+    g = torch.Generator(device="cuda").manual_seed(2)
+    bf = {"device": "cuda", "dtype": torch.bfloat16}
+    o, gu = torch.randn(2048, 2048, generator=g, **bf), torch.randn(11264, 2048, generator=g, **bf)
+    x = torch.randn(1, 2048, generator=g, **bf)
+    want = gemv(x, o)
+    monkeypatch.setenv("RLT_L2_PREFETCH", mode)
+    for mb in ("8", "24", "1000"):
+        monkeypatch.setenv("RLT_L2_PREFETCH_MB", mb)
+        assert gemv_mod._prefetch_plan(gu, 256)[1] > 0
+        assert torch.equal(gemv_mod.linear(x, o, prefetch=gu), want), mb
+
+
+def test_gemv_graph_replay_equals_eager(monkeypatch):
+    """Captured in a CUDA graph (as the decode step is), the GEMV gives the eager results bit for
+    bit, o_proj's L2 prefetch of gate|up included."""
+    monkeypatch.setenv("RLT_L2_PREFETCH_MB", "24")
     g = torch.Generator(device="cuda").manual_seed(0)
     bf = {"device": "cuda", "dtype": torch.bfloat16}
     qkv, o = torch.randn(6144, 2048, generator=g, **bf), torch.randn(2048, 2048, generator=g, **bf)
     gu, down = torch.randn(11264, 2048, generator=g, **bf), torch.randn(2048, 5632, generator=g, **bf)
-    norm = SimpleNamespace(weight=torch.randn(2048, generator=g, **bf), eps=1e-6)
     for m in (1, 3, 8):
         x = torch.randn(m, 2048, generator=g, **bf)
 
         def step(x: torch.Tensor = x) -> tuple[torch.Tensor, ...]:
             a = gemv_mod.linear(x, qkv)
-            b = gemv_mod.linear(a[:, :2048].contiguous(), o)
-            h, u = gemv_mod.norm_gate_up_silu(PendingNorm(b, x, norm, norm), gu)  # the norm in the prologue
+            b = gemv_mod.linear(a[:, :2048].contiguous(), o, prefetch=gu)
+            u = gemv_mod.gate_up_silu(b, gu)
             c = gemv_mod.linear(u, down)
-            return a, b, h, c
+            return a, b, u, c
 
         graph, captured = capture(step)
         x.copy_(torch.randn(m, 2048, generator=g, **bf))  # the replay reads the new input
@@ -143,29 +136,28 @@ def test_dispatch_on_cuda(monkeypatch):
 
 
 @pytest.mark.parametrize(
-    "family,fusions",
-    [("ouro", ""), ("nanbeige", ""), ("huginn", ""), ("ouro", "RLT_NORM_PROLOGUE"), ("ouro", "RLT_QKV_EPILOGUE"),
-     ("ouro", "RLT_ATTN_PREFETCH"), ("ouro", "RLT_NORM_PROLOGUE RLT_QKV_EPILOGUE RLT_ATTN_PREFETCH"),
-     ("nanbeige", "RLT_NORM_PROLOGUE RLT_QKV_EPILOGUE RLT_ATTN_PREFETCH")],
+    "family,options",
+    [("ouro", ""), ("nanbeige", ""), ("huginn", ""), ("ouro", "RLT_QKV_EPILOGUE=0"), ("ouro", "RLT_L2_PREFETCH_MB=24"),
+     ("ouro", "RLT_L2_PREFETCH_MB=24 RLT_L2_PREFETCH=bulk"), ("nanbeige", "RLT_L2_PREFETCH_MB=24"),
+     ("huginn", "RLT_L2_PREFETCH_MB=24")],
 )  # fmt: skip
-def test_engine_bf16_decode_gemv_matches_cublas(tmp_checkpoint, monkeypatch, family, fusions):
-    """Whole engine, bf16, graphs on, concurrency 1 and 8: decode through the GEMV (with the opt-in
-    fusions: norms in the projections' prologues, RoPE + K/V write in the qkv epilogue, the
-    attention's prefetch; or none) gives cuBLAS's tokens and logprobs up to the first token a bf16
-    near-tie may flip."""
+def test_engine_bf16_decode_gemv_matches_cublas(tmp_checkpoint, monkeypatch, family, options):
+    """Whole engine, bf16, graphs on, concurrency 1 and 8: decode through the GEMV (RoPE + K/V
+    write in the qkv epilogue unless turned off; o_proj's L2 prefetch where set) gives cuBLAS's
+    tokens and logprobs up to the first token a bf16 near-tie may flip."""
     from test_gpu import SHAPES as ENGINE_SHAPES
     from test_gpu import _steady_decode
 
     path = tmp_checkpoint(family, seed=7, dtype="bfloat16", **ENGINE_SHAPES.get(family, {}))
     for concurrency in (1, 8):
         monkeypatch.setenv("RLT_GEMV", "0")
-        for name in ("RLT_NORM_PROLOGUE", "RLT_QKV_EPILOGUE", "RLT_ATTN_PREFETCH"):
-            monkeypatch.setenv(name, "0")
         want, _ = _steady_decode(path, "bfloat16", concurrency)
         monkeypatch.setenv("RLT_GEMV", "1")
-        for name in fusions.split():
-            monkeypatch.setenv(name, "1")
+        for option in options.split():
+            monkeypatch.setenv(*option.split("="))
         got, engine = _steady_decode(path, "bfloat16", concurrency)
+        for option in options.split():
+            monkeypatch.delenv(option.split("=")[0])
         assert engine.stats().num_cuda_graph_replays > 0
         assert got.keys() == want.keys()
         for rid, (tokens, logprobs) in want.items():

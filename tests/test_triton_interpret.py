@@ -53,17 +53,12 @@ DECODE_ONLY = [(1, 5), (1, 90), (1, 0), (1, 33)]
 )
 @pytest.mark.parametrize("splits", [1, 3], ids=["whole", "split-kv"])
 @pytest.mark.parametrize("decode_mha", [True, False], ids=["vector-decode", "tiled-only"])
-@pytest.mark.parametrize("prefetch", [False, True], ids=["", "prefetch"])
-def test_triton_matches_torch(heads, kv_heads, head_dim, page_size, spans, masked, splits, decode_mha, prefetch):
-    """prefetch: the tiled kernel loads the first key block's cached K/V before new keys (see
-    _attention_kernel), so spans with a cached prefix and new keys in that block check both halves."""
+def test_triton_matches_torch(heads, kv_heads, head_dim, page_size, spans, masked, splits, decode_mha):
     if not decode_mha and (heads != kv_heads or spans != DECODE_ONLY):
         pytest.skip("the vector kernel only serves one-query rows without GQA")
-    if prefetch and decode_mha and heads == kv_heads and spans == DECODE_ONLY:
-        pytest.skip("the vector kernel serves this call; prefetch is the tiled kernel's")
     (kv_ref, kv_tri), rows, (q, k, v), mask = _random_call(heads, kv_heads, head_dim, page_size, spans, 0, masked)
     ref, tri = TorchAttentionBackend(), TritonAttentionBackend()
-    tri.decode_mha, tri.prefetch = decode_mha, prefetch
+    tri.decode_mha = decode_mha
     tri.heads_first = splits == 1  # both grid orders of the vector kernel
     if splits > 1:  # force split-KV plus the combine: every program's keys cut into up to 3 ranges
         tri.split_target, tri.min_split_keys, tri.max_splits = 10**6, 16, splits
@@ -106,27 +101,25 @@ def test_engine_greedy_triton_matches_torch(tmp_checkpoint):
 
 @pytest.mark.parametrize("family", ["ouro", "nanbeige"])
 def test_engine_fused_projections_match_torch(tmp_checkpoint, monkeypatch, family):
-    """The decode GEMV forced onto the CPU (RLT_GEMV=interpret) with every opt-in fusion on: the
-    norms in the qkv and gate|up prologues, RoPE plus the K/V write in the qkv epilogue, and the
-    attention's prefetched first key block. Chunked prompts, mixed depths and decode equal the
-    torch backend's, and every fused path actually ran."""
+    """The decode GEMV forced onto the CPU (RLT_GEMV=interpret), RoPE plus the K/V write in the
+    qkv epilogue (on by default). Chunked prompts, mixed depths and decode equal the torch
+    backend's, and the fused path actually ran."""
     from rlt_serve.models import gemv
 
     path = tmp_checkpoint(family, seed=4, num_attention_heads=4, num_key_value_heads=2, head_dim=16)
     loops = (4, 2, 3) if family == "ouro" else (None, None, None)  # Nanbeige runs a fixed depth
     want = _greedy(path, "torch", loops)
-    calls = {"norm": 0, "epilogue": 0, "kv": 0}
-    launch = gemv._launch
+    calls = {"gemv": 0, "epilogue": 0, "kv": 0}
+    launch = gemv.gemv
 
-    def counting(x, w, silu, config, norm, epi=None):
-        calls["norm"] += norm is not None
-        calls["epilogue"] += epi is not None
-        calls["kv"] += epi is not None and epi.kv is not None
-        return launch(x, w, silu, config, norm, epi)
+    def counting(x, w, silu=False, config=None, epilogue=None, prefetch=None):
+        calls["gemv"] += 1
+        calls["epilogue"] += epilogue is not None
+        calls["kv"] += epilogue is not None and epilogue.kv is not None
+        return launch(x, w, silu, config, epilogue, prefetch)
 
-    monkeypatch.setattr(gemv, "_launch", counting)
-    for name in ("RLT_GEMV", "RLT_NORM_PROLOGUE", "RLT_QKV_EPILOGUE", "RLT_ATTN_PREFETCH"):
-        monkeypatch.setenv(name, "interpret" if name == "RLT_GEMV" else "1")
+    monkeypatch.setattr(gemv, "gemv", counting)
+    monkeypatch.setenv("RLT_GEMV", "interpret")
     got = _greedy(path, "triton", loops)
     assert min(calls.values()) > 0, calls
     assert got.keys() == want.keys()

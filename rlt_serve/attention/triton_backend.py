@@ -13,8 +13,7 @@ qkv GEMV's epilogue writes them (`kv_write_target`, `forward(..., kv_written=Tru
 When a call has too few programs to fill the GPU (decode at low concurrency: one row is only
 `kv_heads` programs) and long contexts, each program's key range is split (flash-decoding): the
 splits leave unnormalised fp32 partials with their running max and sum, and a third launch merges
-them. `TritonAttentionBackend.num_splits` makes the choice per call. With `prefetch` the first key
-block's cached K/V loads before the PDL wait (see _attention_kernel).
+them. `TritonAttentionBackend.num_splits` makes the choice per call.
 
 Kernels are launched through `rlt_serve.triton_jit.jit`, which imports Triton on first launch
 (tests pick the CPU interpreter per process).
@@ -22,7 +21,6 @@ Kernels are launched through `rlt_serve.triton_jit.jit`, which imports Triton on
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -31,7 +29,7 @@ import torch
 from rlt_serve.attention.backend import AttentionBackend, AttentionMetadata, KVWriteTarget
 from rlt_serve.engine.kv_cache import KVCache
 from rlt_serve.host_copy import to_device
-from rlt_serve.triton_jit import device_function, jit, next_pow2, pdl, triton_missing
+from rlt_serve.triton_jit import jit, next_pow2, pdl, triton_missing
 
 triton: Any = None  # bound on first launch by rlt_serve.triton_jit.jit
 tl: Any = None
@@ -61,21 +59,6 @@ def _write_kv_kernel(
     tl.store(v_cache + dst, tl.load(v_ptr + src, mask=ok), mask=ok)
 
 
-@device_function
-def _softmax_block(q, kt, v, pos, q_pos, hi, qk_scale, m_i, l_i, acc, PRECISION: tl.constexpr):
-    """One key block of the online softmax: causal scores, running max and sum, rescaled
-    accumulator (the loop body of _attention_kernel, for its prefetched first block)."""
-    s = tl.dot(q, kt, input_precision=PRECISION) * qk_scale
-    s = tl.where((pos[None, :] <= q_pos[:, None]) & (pos < hi)[None, :], s, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(s, 1))
-    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-    p = tl.exp2(s - m_safe[:, None])
-    alpha = tl.exp2(m_i - m_safe)
-    l_i = l_i * alpha + tl.sum(p, 1)
-    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
-    return m_new, l_i, acc
-
-
 def _attention_kernel(
     q_ptr, o_ptr, k_cache, v_cache, rows_ptr, tiles_ptr, table_ptr,
     part_acc, part_ml, num_splits, cells,
@@ -84,18 +67,13 @@ def _attention_kernel(
     stride_plane, stride_page, stride_slot, stride_kvh, stride_table,
     GROUP: tl.constexpr, GROUP_P: tl.constexpr, TOK_M: tl.constexpr,
     HEAD_D: tl.constexpr, HEAD_DP: tl.constexpr, BLOCK_N: tl.constexpr,
-    PAGE_SIZE: tl.constexpr, PRECISION: tl.constexpr, SPLIT: tl.constexpr, PREFETCH: tl.constexpr,
-    PDL: tl.constexpr,
+    PAGE_SIZE: tl.constexpr, PRECISION: tl.constexpr, SPLIT: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     """Program (tile, kv_head, split): causal attention of one tile's queries over its row's plane,
-    or (SPLIT) over split `s` of the key blocks, leaving unnormalised partials for the combine.
-    With PREFETCH the row metadata, the first key block's page ids and its K/V at positions before
-    the row's start (all written before this call began) load before the PDL wait; the call's own
-    new keys in that block are loaded again after it."""
+    or (SPLIT) over split `s` of the key blocks, leaving unnormalised partials for the combine."""
     if PDL:
         tl.extra.cuda.gdc_launch_dependents()
-        if not PREFETCH:
-            tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_wait()
     tile = tl.program_id(0)
     kvh = tl.program_id(1)
     row = tl.load(tiles_ptr + 2 * tile)
@@ -112,6 +90,11 @@ def _attention_kernel(
     d = tl.arange(0, HEAD_DP)
     d_ok = d < HEAD_D
     q_rows = (q_start + tok).to(tl.int64)
+    q = tl.load(
+        q_ptr + q_rows[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :],
+        mask=m_ok[:, None] & d_ok[None, :],
+        other=0.0,
+    )
     q_pos = start_pos + tok
     kv_end = start_pos + tl.minimum(num_q, q_off + TOK_M)
     lo = 0
@@ -121,36 +104,11 @@ def _attention_kernel(
         lo = tl.program_id(2) * per
         hi = tl.minimum(kv_end, lo + per)
     kv_base = plane * stride_plane + kvh * stride_kvh
-    start = lo
-    if PREFETCH:
-        pos0 = lo + tl.arange(0, BLOCK_N)
-        ok0 = pos0 < hi
-        page0 = tl.load(table_ptr + row * stride_table + pos0 // PAGE_SIZE, mask=ok0, other=0)
-        off0 = kv_base + page0.to(tl.int64) * stride_page + (pos0 % PAGE_SIZE) * stride_slot
-        old0 = ok0 & (pos0 < start_pos)
-        kt0 = tl.load(k_cache + off0[None, :] + d[:, None], mask=old0[None, :] & d_ok[:, None], other=0.0)
-        v0 = tl.load(v_cache + off0[:, None] + d[None, :], mask=old0[:, None] & d_ok[None, :], other=0.0)
-        if PDL:
-            tl.extra.cuda.gdc_wait()
-        new0 = ok0 & (pos0 >= start_pos)
-        kt0 = tl.where(new0[None, :], tl.load(k_cache + off0[None, :] + d[:, None],
-                                              mask=new0[None, :] & d_ok[:, None], other=0.0), kt0)  # fmt: skip
-        v0 = tl.where(new0[:, None], tl.load(v_cache + off0[:, None] + d[None, :],
-                                             mask=new0[:, None] & d_ok[None, :], other=0.0), v0)  # fmt: skip
-        start = lo + BLOCK_N
-    q = tl.load(
-        q_ptr + q_rows[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :],
-        mask=m_ok[:, None] & d_ok[None, :],
-        other=0.0,
-    )
 
     m_i = tl.full([TOK_M * GROUP_P], float("-inf"), tl.float32)
     l_i = tl.zeros([TOK_M * GROUP_P], tl.float32)
     acc = tl.zeros([TOK_M * GROUP_P, HEAD_DP], tl.float32)
-    if PREFETCH:
-        if lo < hi:
-            m_i, l_i, acc = _softmax_block(q, kt0, v0, pos0, q_pos, hi, qk_scale, m_i, l_i, acc, PRECISION)
-    for n0 in range(start, hi, BLOCK_N):
+    for n0 in range(lo, hi, BLOCK_N):
         pos = n0 + tl.arange(0, BLOCK_N)
         n_ok = pos < hi
         page = tl.load(table_ptr + row * stride_table + pos // PAGE_SIZE, mask=n_ok, other=0)
@@ -319,9 +277,6 @@ class TritonAttentionBackend(AttentionBackend):
     max_splits = 16
     min_split_keys = 64  # one key block: shorter splits cost more in the combine than they save
     split_target: int | None = None  # programs to aim for; None: twice the GPU's multiprocessors
-    # The first key block's cached K/V loads before the PDL wait (RLT_ATTN_PREFETCH=1). Off until
-    # measured on the H200; Triton's interpreter checks it (tests/test_triton_interpret.py).
-    prefetch = False
     _sms: int | None = None
 
     def prepare_extra(self, meta: AttentionMetadata, kv: KVCache) -> TritonCallData:
@@ -418,8 +373,7 @@ class TritonAttentionBackend(AttentionBackend):
             GROUP=group, GROUP_P=group_p, TOK_M=tok_m, HEAD_D=head_dim, HEAD_DP=head_dp,
             BLOCK_N=self.block_n if head_dp <= 64 or block_m <= 16 else self.block_n // 2,
             PAGE_SIZE=kv.page_size, PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-            SPLIT=splits > 1, PREFETCH=self.prefetch or os.environ.get("RLT_ATTN_PREFETCH", "0") == "1",
-            num_warps=self.num_warps, **pdl(q),
+            SPLIT=splits > 1, num_warps=self.num_warps, **pdl(q),
             **({} if self.num_stages is None else {"num_stages": self.num_stages}),
         )  # fmt: skip
         return self._combine(out, part_acc, part_ml, splits, t, heads, head_dim, head_dp)

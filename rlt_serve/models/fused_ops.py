@@ -120,8 +120,9 @@ def add_rms_norm(
 class PendingNorm(NamedTuple):
     """post(residual + pre(x)) not yet computed: h = residual + pre(x) (x itself without a residual)
     is the next residual stream and y = post(h) the next projection's input. `pre` needs a
-    residual; norms are RMSNorm modules (`weight`, `eps`). A decode projection computes it in its
-    own prologue (gemv.norm_linear); elsewhere `resolve` computes it on its own."""
+    residual; norms are RMSNorm modules (`weight`, `eps`). Deferred so that a sublayer's output
+    norm, the residual add and the next sublayer's input norm run as one add_rms_norm launch,
+    across layer boundaries too."""
 
     x: torch.Tensor
     residual: torch.Tensor | None

@@ -16,12 +16,12 @@ Rounding is F.linear's then fused_ops.silu_mul's: each product accumulates in fp
 the model dtype once; gate and up round before the SiLU, the SiLU rounds, the product rounds. So
 results equal the torch path up to the fp32 reduction order.
 
-The projections after a norm (qkv, gate|up) can take the norm into their prologue (norm_gemv,
-`RLT_NORM_PROLOGUE=1`): each program finds the rows' 1/rms itself and normalises x tiles as it
-loads them, which saves a launch and a round trip to memory per norm, two a layer-loop. The qkv
-projection can end in RoPE and the K/V cache write (norm_qkv, `RLT_QKV_EPILOGUE=1`): a program
-takes rotation pairs (rows j and j + head_dim/2 of one head, as gate|up pairs gate and up rows),
-so the rope and write_kv launches go too. Both are off until measured on the H200.
+The qkv projection ends in RoPE and the K/V cache write (qkv_rope; `RLT_QKV_EPILOGUE=0` turns
+it off): a program takes rotation pairs (rows j and j + head_dim/2 of one head, as gate|up pairs
+gate and up rows), so the rope and write_kv launches go. A projection whose input comes from
+attention can send the next projection's weights toward L2 while it waits (`prefetch`), so
+the weight stream goes on while the memory bus would otherwise idle. (A norm in the projections'
+prologue was tried and lost 7% at c=1; recipes/ouro.md.)
 
 Tile shapes are fixed per shape class (no autotuning: the calls are captured in CUDA graphs), no
 host syncs, and nothing is allocated but the output (and the split-K partials) via torch.empty.
@@ -57,59 +57,6 @@ class GemvConfig(NamedTuple):
     mode: int = 0
     num_warps: int = 4
     num_stages: int = 3
-
-
-@device_function
-def _norm_residual(x, res, w_pre, s_pre, HAS_PRE: tl.constexpr, HAS_RES: tl.constexpr):
-    """res + pre(x) in fp32 holding dtype values; `s_pre` is 1/rms of x. Rounded as
-    fused_ops._add_norm_kernel rounds: normalise in fp32, round, scale by the weight, round; the
-    sum rounds too. (That kernel keeps its own copy until this one has run on a GPU.)"""
-    dt = x.dtype
-    t = x.to(tl.float32)
-    if HAS_PRE:
-        t = (w_pre.to(tl.float32) * (t * s_pre).to(dt).to(tl.float32)).to(dt).to(tl.float32)
-    if HAS_RES:
-        t = (res.to(tl.float32) + t).to(dt).to(tl.float32)
-    return t
-
-
-@device_function
-def _row_scales(x_ptr, res_ptr, w_pre, M, K, eps_pre, eps_post, stride_xm, stride_rm,
-                BLOCK_M: tl.constexpr, K_P: tl.constexpr, HAS_PRE: tl.constexpr, HAS_RES: tl.constexpr):  # fmt: skip
-    """[BLOCK_M, 1] 1/rms of each row of x (for pre) and of res + pre(x) (for post), a row at a time."""
-    ms = tl.arange(0, BLOCK_M)[:, None]
-    ks = tl.arange(0, K_P)
-    k_ok = ks < K
-    s_pre = tl.full([BLOCK_M, 1], 1.0, tl.float32)
-    s_post = tl.full([BLOCK_M, 1], 1.0, tl.float32)
-    w_1 = tl.load(w_pre + ks, mask=k_ok, other=0.0) if HAS_PRE else 0.0
-    for m in range(M):
-        x = tl.load(x_ptr + m * stride_xm + ks, mask=k_ok, other=0.0)
-        s_1 = 1.0
-        if HAS_PRE:
-            xf = x.to(tl.float32)
-            s_1 = tl.math.rsqrt(tl.sum(xf * xf, 0) / K + eps_pre)
-            s_pre = tl.where(ms == m, s_1, s_pre)
-        r = tl.load(res_ptr + m * stride_rm + ks, mask=k_ok, other=0.0) if HAS_RES else x
-        t = _norm_residual(x, r, w_1, s_1, HAS_PRE, HAS_RES)
-        s_post = tl.where(ms == m, tl.math.rsqrt(tl.sum(t * t, 0) / K + eps_post), s_post)
-    return s_pre, s_post
-
-
-@device_function
-def _x_tile(x_rows, r_rows, h_rows, w_pre, w_post, s_pre, s_post, ks, k_ok, m_ok, store_h,
-            HAS_PRE: tl.constexpr, HAS_RES: tl.constexpr):  # fmt: skip
-    """The [BLOCK_M, BLOCK_K] input tile at columns `ks` of post(res + pre(x)), storing
-    res + pre(x) to h where `store_h`."""
-    mask = m_ok[:, None] & k_ok[None, :]
-    x = tl.load(x_rows + ks[None, :], mask=mask, other=0.0)
-    w_1 = tl.load(w_pre + ks, mask=k_ok, other=0.0)[None, :] if HAS_PRE else 0.0
-    r = tl.load(r_rows + ks[None, :], mask=mask, other=0.0) if HAS_RES else x
-    t = _norm_residual(x, r, w_1, s_pre, HAS_PRE, HAS_RES)
-    if HAS_PRE or HAS_RES:
-        tl.store(h_rows + ks[None, :], t.to(x.dtype), mask=mask & store_h)
-    w_2 = tl.load(w_post + ks, mask=k_ok, other=0.0)[None, :]
-    return (w_2.to(tl.float32) * (t * s_post).to(x.dtype).to(tl.float32)).to(x.dtype)
 
 
 @device_function
@@ -157,26 +104,36 @@ def _rope_kv_epilogue(out_lo, out_hi, y_ptr, stride_ym, ms, m_ok, mask, rows, j0
         tl.store(v_cache + at + half, y2.to(kt), mask=v_ok)
 
 
+@device_function
+def _prefetch_l2(w_ptr, start, nbytes, ASM: tl.constexpr, CHUNK: tl.constexpr, LANES: tl.constexpr):
+    """Fire-and-forget L2 prefetch of bytes [start, start + nbytes) from `w_ptr`, one `ASM`
+    instruction (see L2_PREFETCH) per CHUNK bytes and lane. Nothing waits on them and nothing
+    is read into registers."""
+    base = w_ptr.to(tl.int64)  # the byte address
+    lanes = tl.arange(0, LANES).to(tl.int64) * CHUNK
+    for i in range(0, nbytes, LANES * CHUNK):
+        off = start + i + lanes
+        ok = (off < start + nbytes).to(tl.int32)
+        tl.inline_asm_elementwise(ASM, "=r,l,r", [base + off, ok], dtype=tl.int32, is_pure=False, pack=1)
+
+
 def _gemv_kernel(
     x_ptr, w_ptr, y_ptr, part_ptr, M, N, K, k_split, split, up_off,
     stride_xm, stride_wn, stride_ym,
-    res_ptr, h_ptr, w_pre, w_post, eps_pre, eps_post, stride_rm, stride_hm,
     cos_ptr, sin_ptr, stride_c, k_cache, v_cache, slot_ptr, depth_ptr, wmask_ptr, plane_base,
-    stride_plane, stride_slot, n_q_heads, n_kv_heads,
+    stride_plane, stride_slot, n_q_heads, n_kv_heads, pf_ptr, pf_bytes,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PARTIAL: tl.constexpr,
-    SILU: tl.constexpr, MODE: tl.constexpr, NORM: tl.constexpr, HAS_PRE: tl.constexpr, HAS_RES: tl.constexpr,
-    K_P: tl.constexpr, ROPE: tl.constexpr, HEAD_D: tl.constexpr, KV_WRITE: tl.constexpr, HAS_WMASK: tl.constexpr,
-    PAIRED: tl.constexpr, PDL: tl.constexpr,
+    SILU: tl.constexpr, MODE: tl.constexpr, ROPE: tl.constexpr, HEAD_D: tl.constexpr, KV_WRITE: tl.constexpr,
+    HAS_WMASK: tl.constexpr, PAIRED: tl.constexpr, PF_ASM: tl.constexpr, PF_CHUNK: tl.constexpr,
+    PF_LANES: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     """Program (n block, k split): outputs [n0, n0+BLOCK_N) over K range [s*k_split, (s+1)*k_split).
     With SILU, up rows sit `up_off` rows below the gate rows. PARTIAL stores fp32 partials
     [split, M, N] (with SILU the up partials follow, another [split, M, N]) for _reduce_kernel.
-    With NORM the input is post(res + pre(x)) (fused_ops' add_rms_norm; pre and res optional):
-    every program finds each row's 1/rms over all of K first, then normalises each x tile as it
-    loads it, and the programs of n block 0 store h = res + pre(x) for the next residual add.
     With ROPE (a qkv projection) a program takes BLOCK_N rotation pairs of one head, rows j and
     j + HEAD_D/2 (as SILU takes gate and up rows), and ends in _rope_kv_epilogue. PAIRED: SILU or ROPE.
-    With PDL the first W tile (MODE 0) is loaded before waiting for the kernel that wrote x."""
+    With PDL the first W tile (MODE 0) is loaded before waiting for the kernel that wrote x; with
+    PF_CHUNK each program also sends `pf_bytes` of the next projection's weights toward L2."""
     if PDL:
         tl.extra.cuda.gdc_launch_dependents()
     pid_n = tl.program_id(0)
@@ -192,11 +149,6 @@ def _gemv_kernel(
     m_ok = ms < M
     w_rows = w_ptr + rows.to(tl.int64)[:, None] * stride_wn
     x_rows = x_ptr + ms[:, None] * stride_xm
-    r_rows = res_ptr + ms[:, None] * stride_rm
-    h_rows = h_ptr + ms[:, None] * stride_hm
-    store_h = pid_n == 0
-    s_pre = tl.full([BLOCK_M], 1.0, tl.float32)[:, None]
-    s_post = tl.full([BLOCK_M], 1.0, tl.float32)[:, None]
     k_lo = pid_k * k_split
     if MODE == 0:
         acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
@@ -208,25 +160,20 @@ def _gemv_kernel(
         acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
         acc_u = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     k_start = k_lo
+    if PDL and MODE == 0:  # the first tile of W streams in while the previous kernel drains
+        ks = k_lo + tl.arange(0, BLOCK_K)
+        k_ok = ks < K
+        w_mask = n_ok[:, None] & k_ok[None, :]
+        w = tl.load(w_rows + ks[None, :], mask=w_mask, other=0.0)
+        if PAIRED:
+            wu = tl.load(w_rows + up_off * stride_wn + ks[None, :], mask=w_mask, other=0.0)
+    if PF_CHUNK > 0:
+        _prefetch_l2(pf_ptr, (pid_k * tl.num_programs(0) + pid_n).to(tl.int64) * pf_bytes, pf_bytes, PF_ASM,
+                     PF_CHUNK, PF_LANES)  # fmt: skip
     if PDL:
-        if MODE == 0:  # the first tile of W streams in while the previous kernel drains
-            ks = k_lo + tl.arange(0, BLOCK_K)
-            k_ok = ks < K
-            w_mask = n_ok[:, None] & k_ok[None, :]
-            w = tl.load(w_rows + ks[None, :], mask=w_mask, other=0.0)
-            if PAIRED:
-                wu = tl.load(w_rows + up_off * stride_wn + ks[None, :], mask=w_mask, other=0.0)
         tl.extra.cuda.gdc_wait()
-    if NORM:
-        s_pre, s_post = _row_scales(x_ptr, res_ptr, w_pre, M, K, eps_pre, eps_post, stride_xm, stride_rm,
-                                    BLOCK_M, K_P, HAS_PRE, HAS_RES)  # fmt: skip
-    if PDL:
         if MODE == 0:
-            if NORM:
-                x = _x_tile(x_rows, r_rows, h_rows, w_pre, w_post, s_pre, s_post, ks, k_ok, m_ok, store_h,
-                            HAS_PRE, HAS_RES)  # fmt: skip
-            else:
-                x = tl.load(x_rows + ks[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+            x = tl.load(x_rows + ks[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
             acc += w.to(tl.float32) * x.to(tl.float32)
             if PAIRED:
                 acc_u += wu.to(tl.float32) * x.to(tl.float32)
@@ -234,11 +181,7 @@ def _gemv_kernel(
     for k0 in range(k_start, k_lo + k_split, BLOCK_K):
         ks = k0 + tl.arange(0, BLOCK_K)
         k_ok = ks < K
-        if NORM:
-            x = _x_tile(x_rows, r_rows, h_rows, w_pre, w_post, s_pre, s_post, ks, k_ok, m_ok, store_h,
-                        HAS_PRE, HAS_RES)  # fmt: skip
-        else:
-            x = tl.load(x_rows + ks[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+        x = tl.load(x_rows + ks[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
         w_mask = n_ok[:, None] & k_ok[None, :]
         w = tl.load(w_rows + ks[None, :], mask=w_mask, other=0.0)
         if MODE == 0:  # BLOCK_M == 1: x is [1, BLOCK_K], broadcast over the rows of W
@@ -266,7 +209,7 @@ def _gemv_kernel(
         out = tl.trans(acc)
         out_u = tl.trans(acc_u)
     mask = m_ok[:, None] & n_ok[None, :]
-    if ROPE:  # never split (see _launch)
+    if ROPE:  # never split (see epilogue_fits)
         _rope_kv_epilogue(out, out_u, y_ptr, stride_ym, ms, m_ok, mask, rows, j0, head, cos_ptr, sin_ptr, stride_c,
                           k_cache, v_cache, slot_ptr, depth_ptr, wmask_ptr, plane_base, stride_plane, stride_slot,
                           n_q_heads, n_kv_heads, HEAD_D, BLOCK_N, KV_WRITE, HAS_WMASK)  # fmt: skip
@@ -342,23 +285,62 @@ def cublas_wins(m: int, rows: int, k: int) -> bool:
     return m > 1 and rows <= 4096 and k < 6144
 
 
-def gemv(x: torch.Tensor, w: torch.Tensor, silu: bool = False, config: GemvConfig | None = None) -> torch.Tensor:
+def gemv(
+    x: torch.Tensor, w: torch.Tensor, silu: bool = False, config: GemvConfig | None = None,
+    epilogue: QKVEpilogue | None = None, prefetch: torch.Tensor | None = None,
+) -> torch.Tensor:  # fmt: skip
     """x [M, K] @ w[N, K]^T -> [M, N]; with `silu`, w is gate|up [2I, K] and the result
-    silu(x @ gate^T) * (x @ up^T) [M, I]. Any device Triton runs on (the CPU interpreter too)."""
-    return _launch(x, w, silu, config, None)[1]
-
-
-def norm_gemv(
-    p: fused_ops.PendingNorm, w: torch.Tensor, silu: bool = False, config: GemvConfig | None = None,
-    epilogue: QKVEpilogue | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """(h, gemv(y, w)) of a pending norm's h and y, the norm computed in the GEMV's prologue; with
-    an `epilogue` (a qkv projection, see epilogue_fits) q and k come out rotated and K/V written."""
-    if p.residual is None and p.pre is not None:
-        raise ValueError("norm_gemv: a norm before the residual add needs a residual")
-    if p.residual is not None and (p.residual.shape != p.x.shape or p.residual.dtype != p.x.dtype):
-        raise ValueError(f"norm_gemv: residual {tuple(p.residual.shape)} does not match x {tuple(p.x.shape)}")
-    return _launch(p.x, w, silu, config, p, epilogue)
+    silu(x @ gate^T) * (x @ up^T) [M, I]; with an `epilogue` (a qkv projection, see epilogue_fits)
+    q and k come out rotated and K/V written. `prefetch`: the weight the next projection reads,
+    of which up to l2_prefetch_bytes() head for L2 while this one waits for its input (CUDA, PDL).
+    Any device Triton runs on (the CPU interpreter too)."""
+    m, k = x.shape
+    rows, kw = w.shape
+    if kw != k or (silu and rows % 2):
+        raise ValueError(f"gemv: x {tuple(x.shape)} and w {tuple(w.shape)} do not fit (silu={silu})")
+    if epilogue is not None and (silu or not epilogue_fits(m, w, epilogue, config)):
+        raise ValueError(f"gemv: the qkv epilogue does not fit w {tuple(w.shape)} at M={m}")
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    if w.stride(-1) != 1:
+        w = w.contiguous()
+    n = rows // 2 if silu else rows
+    cfg = config or default_config(m, n, k, silu)
+    if cfg.mode == 0 and m != 1:
+        raise ValueError("gemv: the elementwise mode (0) takes one row")
+    y = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    if m == 0 or n == 0:
+        return y
+    block_m = 1 if cfg.mode == 0 else max(16, next_pow2(m))
+    k_split, split = _k_split(k, cfg)
+    part = torch.empty((2 if silu else 1) * split * m * n, dtype=torch.float32, device=x.device) if split > 1 else y
+    epi = epilogue
+    kvw = epi.kv if epi is not None else None
+    cos, sin = (epi.cos, epi.sin) if epi is not None else (x, x)
+    block_n = cfg.block_n // 2 if epi is not None else cfg.block_n  # a pair of rows each
+    grid = (-(-n // cfg.block_n), split)
+    launch = pdl(x)
+    pf_asm, pf_chunk, pf_bytes = _prefetch_plan(prefetch, grid[0] * grid[1]) if launch["PDL"] else ("", 0, 0)
+    jit(_gemv_kernel)[grid](
+        x, w, y, part, m, n, k, k_split, split, epi.head_dim // 2 if epi is not None else n,
+        x.stride(0), w.stride(0), y.stride(0),
+        cos, sin, cos.stride(0), *(kvw[:4] if kvw is not None else (x, x, x, x)),
+        kvw.write_mask if kvw is not None and kvw.write_mask is not None else x,
+        *((kvw.plane_base, kvw.k_cache.stride(0), kvw.k_cache.stride(1)) if kvw is not None else (0, 0, 0)),
+        epi.heads if epi is not None else 0, epi.kv_heads if epi is not None else 0,
+        prefetch if pf_chunk else x, pf_bytes,
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=cfg.block_k, PARTIAL=split > 1, SILU=silu, MODE=cfg.mode,
+        ROPE=epi is not None, HEAD_D=epi.head_dim if epi is not None else 2, KV_WRITE=kvw is not None,
+        HAS_WMASK=kvw is not None and kvw.write_mask is not None, PAIRED=silu or epi is not None,
+        PF_ASM=pf_asm, PF_CHUNK=pf_chunk, PF_LANES=32 * cfg.num_warps,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **launch,
+    )  # fmt: skip
+    if split > 1:
+        block = min(1024, next_pow2(n))
+        jit(_reduce_kernel)[(m, triton.cdiv(n, block))](
+            part, y, m, n, split, y.stride(0), SILU=silu, BLOCK=block, num_warps=4, **launch
+        )
+    return y
 
 
 class QKVEpilogue(NamedTuple):
@@ -394,61 +376,32 @@ def _k_split(k: int, cfg: GemvConfig) -> tuple[int, int]:
     return k_split, -(-k // k_split)
 
 
-def _launch(
-    x: torch.Tensor, w: torch.Tensor, silu: bool, config: GemvConfig | None, norm: fused_ops.PendingNorm | None,
-    epi: QKVEpilogue | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
-    m, k = x.shape
-    rows, kw = w.shape
-    if kw != k or (silu and rows % 2):
-        raise ValueError(f"gemv: x {tuple(x.shape)} and w {tuple(w.shape)} do not fit (silu={silu})")
-    if epi is not None and (silu or not epilogue_fits(m, w, epi, config)):
-        raise ValueError(f"gemv: the qkv epilogue does not fit w {tuple(w.shape)} at M={m}")
-    if x.stride(-1) != 1:
-        x = x.contiguous()
-    if w.stride(-1) != 1:
-        w = w.contiguous()
-    n = rows // 2 if silu else rows
-    cfg = config or default_config(m, n, k, silu)
-    if cfg.mode == 0 and m != 1:
-        raise ValueError("gemv: the elementwise mode (0) takes one row")
-    y = torch.empty(m, n, dtype=x.dtype, device=x.device)
-    res = norm.residual if norm is not None and norm.residual is not None else None
-    if res is not None and res.stride(-1) != 1:
-        res = res.contiguous()
-    h = torch.empty_like(x) if res is not None else x
-    if m == 0 or n == 0:
-        return h, y
-    block_m = 1 if cfg.mode == 0 else max(16, next_pow2(m))
-    k_split, split = _k_split(k, cfg)
-    part = torch.empty((2 if silu else 1) * split * m * n, dtype=torch.float32, device=x.device) if split > 1 else y
-    pre, post = (norm.pre, norm.post) if norm is not None else (None, None)
-    kvw = epi.kv if epi is not None else None
-    cos, sin = (epi.cos, epi.sin) if epi is not None else (x, x)
-    block_n = cfg.block_n // 2 if epi is not None else cfg.block_n  # a pair of rows each
-    jit(_gemv_kernel)[(triton.cdiv(n, cfg.block_n), split)](
-        x, w, y, part, m, n, k, k_split, split, epi.head_dim // 2 if epi is not None else n,
-        x.stride(0), w.stride(0), y.stride(0),
-        res if res is not None else x, h, pre.weight if pre is not None else x, post.weight if post is not None else x,
-        pre.eps if pre is not None else 0.0, post.eps if post is not None else 0.0,
-        res.stride(0) if res is not None else 0, h.stride(0),
-        cos, sin, cos.stride(0), *(kvw[:4] if kvw is not None else (x, x, x, x)),
-        kvw.write_mask if kvw is not None and kvw.write_mask is not None else x,
-        *((kvw.plane_base, kvw.k_cache.stride(0), kvw.k_cache.stride(1)) if kvw is not None else (0, 0, 0)),
-        epi.heads if epi is not None else 0, epi.kv_heads if epi is not None else 0,
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=cfg.block_k, PARTIAL=split > 1, SILU=silu, MODE=cfg.mode,
-        NORM=norm is not None, HAS_PRE=pre is not None, HAS_RES=res is not None,
-        K_P=next_pow2(k) if norm is not None else 1, ROPE=epi is not None,
-        HEAD_D=epi.head_dim if epi is not None else 2, KV_WRITE=kvw is not None,
-        HAS_WMASK=kvw is not None and kvw.write_mask is not None, PAIRED=silu or epi is not None,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl(x),
-    )  # fmt: skip
-    if split > 1:
-        block = min(1024, next_pow2(n))
-        jit(_reduce_kernel)[(m, triton.cdiv(n, block))](
-            part, y, m, n, split, y.stride(0), SILU=silu, BLOCK=block, num_warps=4, **pdl(x)
-        )
-    return h, y
+# L2 prefetch instructions by RLT_L2_PREFETCH mode: (PTX predicated on $2, bytes each)
+L2_PREFETCH = {
+    "line": ("{ .reg .pred p; setp.ne.s32 p, $2, 0; @p prefetch.global.L2 [$1]; mov.u32 $0, 0; }", 128),
+    "evict_last": (
+        "{ .reg .pred p; setp.ne.s32 p, $2, 0; @p prefetch.global.L2::evict_last [$1]; mov.u32 $0, 0; }", 128
+    ),
+    "bulk": ("{ .reg .pred p; setp.ne.s32 p, $2, 0; @p cp.async.bulk.prefetch.L2.global [$1], 4096; mov.u32 $0, 0; }",
+             4096),
+}  # fmt: skip
+
+
+def l2_prefetch_bytes() -> int:
+    """How much of the next projection's weight a GEMV sends to L2 while it waits (`RLT_L2_PREFETCH_MB`)."""
+    return int(float(os.environ.get("RLT_L2_PREFETCH_MB", "0")) * (1 << 20))
+
+
+def _prefetch_plan(w: torch.Tensor | None, programs: int) -> tuple[str, int, int]:
+    """(asm, chunk, bytes per program) of the L2 prefetch of `w`'s leading bytes, or ("", 0, 0)."""
+    mode = os.environ.get("RLT_L2_PREFETCH", "line")
+    if mode not in L2_PREFETCH:
+        raise ValueError(f"RLT_L2_PREFETCH={mode!r}: expected one of {sorted(L2_PREFETCH)}")
+    if w is None or not w.is_cuda or not w.is_contiguous() or w.data_ptr() % 16:
+        return "", 0, 0
+    asm, chunk = L2_PREFETCH[mode]
+    per = min(l2_prefetch_bytes(), w.numel() * w.element_size()) // programs // chunk * chunk
+    return (asm, chunk, per) if per else ("", 0, 0)
 
 
 def _use_gemv(x: torch.Tensor, w: torch.Tensor, silu: bool = False) -> bool:
@@ -467,9 +420,9 @@ def _use_gemv(x: torch.Tensor, w: torch.Tensor, silu: bool = False) -> bool:
     )
 
 
-def linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """F.linear(x, w) (no bias), through the GEMV for decode-sized CUDA inputs."""
-    return gemv(x, w) if _use_gemv(x, w) else F.linear(x, w)
+def linear(x: torch.Tensor, w: torch.Tensor, prefetch: torch.Tensor | None = None) -> torch.Tensor:
+    """F.linear(x, w) (no bias), through the GEMV for decode-sized CUDA inputs (see gemv's `prefetch`)."""
+    return gemv(x, w, prefetch=prefetch) if _use_gemv(x, w) else F.linear(x, w)
 
 
 def gate_up_silu(x: torch.Tensor, gate_up: torch.Tensor) -> torch.Tensor:
@@ -477,47 +430,16 @@ def gate_up_silu(x: torch.Tensor, gate_up: torch.Tensor) -> torch.Tensor:
     return gemv(x, gate_up, silu=True) if _use_gemv(x, gate_up, silu=True) else fused_ops.silu_mul(F.linear(x, gate_up))
 
 
-def norm_prologue() -> bool:
-    """Whether decode projections compute a pending norm in their prologue (`RLT_NORM_PROLOGUE=1`).
-    Off by default: tested in Triton's interpreter, not yet run on a GPU (recipes/ouro.md)."""
-    return os.environ.get("RLT_NORM_PROLOGUE", "0") == "1"
-
-
-def norm_linear(p: fused_ops.PendingNorm, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(h, F.linear(y, w)) of a pending norm: with norm_prologue(), one kernel at decode sizes."""
-    if norm_prologue() and _use_gemv(p.x, w):
-        return norm_gemv(p, w)
-    h, y = p.resolve()
-    return h, linear(y, w)
-
-
-def norm_gate_up_silu(p: fused_ops.PendingNorm, gate_up: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(h, gate_up_silu(y, gate_up)) of a pending norm, likewise."""
-    if norm_prologue() and _use_gemv(p.x, gate_up, silu=True):
-        return norm_gemv(p, gate_up, silu=True)
-    h, y = p.resolve()
-    return h, gate_up_silu(y, gate_up)
-
-
 def qkv_epilogue() -> bool:
-    """Whether the qkv GEMV rotates q and k and writes K/V itself (`RLT_QKV_EPILOGUE=1`). Off by
-    default: tested in Triton's interpreter, not yet run on a GPU (recipes/ouro.md)."""
-    return os.environ.get("RLT_QKV_EPILOGUE", "0") == "1"
+    """Whether the qkv GEMV rotates q and k and writes K/V itself (on; `RLT_QKV_EPILOGUE=0` turns
+    it off): it saves the RoPE and KV-write launches, 0.13 ms of a c=1 token (recipes/ouro.md)."""
+    return os.environ.get("RLT_QKV_EPILOGUE", "1") != "0"
 
 
-def norm_qkv(
-    p: fused_ops.PendingNorm, w: torch.Tensor, epilogue: QKVEpilogue
-) -> tuple[torch.Tensor, torch.Tensor, bool]:
-    """(h, qkv, done): where the GEMV serves and its tile fits, one kernel (the norm per
-    norm_prologue()) whose q and k are rotated and, where `epilogue.kv`, K/V written (done True);
-    otherwise norm_linear's result, to be rotated and written by the caller. The layer calls it
-    only with qkv_epilogue() on."""
-    if _use_gemv(p.x, w) and epilogue_fits(p.x.shape[0], w, epilogue):
-        if norm_prologue():
-            h, y = norm_gemv(p, w, epilogue=epilogue)
-        else:
-            h, x = p.resolve()
-            y = _launch(x, w, False, None, None, epilogue)[1]
-        return h, y, True
-    h, y = norm_linear(p, w)
-    return h, y, False
+def qkv_rope(x: torch.Tensor, w: torch.Tensor, epilogue: QKVEpilogue) -> tuple[torch.Tensor, bool]:
+    """(qkv, done): where the GEMV serves and its tile fits, one kernel whose q and k come out
+    rotated and, where `epilogue.kv`, K/V written (done True); otherwise linear(x, w), for the
+    caller to rotate and write."""
+    if qkv_epilogue() and _use_gemv(x, w) and epilogue_fits(x.shape[0], w, epilogue):
+        return gemv(x, w, epilogue=epilogue), True
+    return linear(x, w), False

@@ -69,11 +69,10 @@ class SwiGLU(nn.Module):
 
     def forward(self, x: PendingNorm) -> tuple[torch.Tensor, torch.Tensor]:
         """(residual stream, MLP output) of a pending norm's input; see PendingNorm."""
+        h, y = x.resolve()
         if self.gate_up is None:
-            h, y = x.resolve()
             return h, self.down_proj(F.silu(self.gate_proj(y)) * self.up_proj(y))
-        h, a = gemv.norm_gate_up_silu(x, self.gate_up)
-        return h, gemv.linear(a, self.down_proj.weight)
+        return h, gemv.linear(gemv.gate_up_silu(y, self.gate_up), self.down_proj.weight)
 
 
 class PagedAttention(nn.Module):
@@ -89,6 +88,7 @@ class PagedAttention(nn.Module):
         self.v_proj = nn.Linear(hidden, kv_heads * head_dim, bias=False)
         self.o_proj = nn.Linear(heads * head_dim, hidden, bias=False)
         self.qkv: torch.Tensor | None = None  # set by fuse()
+        self.next_weight: torch.Tensor | None = None  # the MLP's first weight, for o_proj's L2 prefetch
 
     def fuse(self) -> None:
         self.qkv = fuse_linears(self.q_proj, self.k_proj, self.v_proj)
@@ -99,8 +99,8 @@ class PagedAttention(nn.Module):
         """(residual stream, attention output) of a pending norm's input; see PendingNorm."""
         t = x.x.shape[0]
         done, target = False, None
+        h, y = x.resolve()
         if self.qkv is None:
-            h, y = x.resolve()
             q, k, v = self.q_proj(y), self.k_proj(y), self.v_proj(y)
         else:
             nq, nkv = self.heads * self.head_dim, self.kv_heads * self.head_dim
@@ -108,9 +108,9 @@ class PagedAttention(nn.Module):
                 target = ctx.backend.kv_write_target(ctx.kv, self.layer, ctx.meta)
                 cos, sin = (c.reshape(t, self.head_dim) for c in cos_sin)
                 epilogue = gemv.QKVEpilogue(cos, sin, self.heads, self.kv_heads, self.head_dim, target)
-                h, qkv, done = gemv.norm_qkv(x, self.qkv, epilogue)  # done: rotated and K/V written
+                qkv, done = gemv.qkv_rope(y, self.qkv, epilogue)  # done: rotated and K/V written
             else:
-                h, qkv = gemv.norm_linear(x, self.qkv)
+                qkv = gemv.linear(y, self.qkv)
             q, k, v = qkv.split([nq, nkv, nkv], dim=-1)
         q = q.view(t, self.heads, self.head_dim)
         k = k.view(t, self.kv_heads, self.head_dim)
@@ -121,7 +121,7 @@ class PagedAttention(nn.Module):
             q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
         kv_written = done and target is not None
         o = ctx.backend.forward(q, k, v, ctx.kv, self.layer, ctx.meta, self.scale, kv_written=kv_written)
-        return h, gemv.linear(o.reshape(t, self.heads * self.head_dim), self.o_proj.weight)
+        return h, gemv.linear(o.reshape(t, self.heads * self.head_dim), self.o_proj.weight, self.next_weight)
 
 
 class CoreContext:

@@ -34,7 +34,7 @@ class DecoderLayer(nn.Module):
         self, x: PendingNorm, cos_sin: tuple[torch.Tensor, torch.Tensor], ctx: CoreContext, next_norm: RMSNorm
     ) -> PendingNorm:
         """The layer's input and output are pending norms (residual stream, sublayer output and the
-        norms between them), so each norm and residual add runs in the projection that reads it."""
+        norms between them), so each add and the norms around it run in one launch."""
         h, a = self.self_attn(x, cos_sin, ctx)
         pre = self.input_layernorm_2 if self.sandwich else None
         h, m = self.mlp(PendingNorm(a, h, pre, self.post_attention_layernorm))
@@ -64,6 +64,7 @@ class LoopedLlamaForCausalLM(LoopedModel):
         for layer in self.model.layers:
             layer.self_attn.fuse()
             layer.mlp.fuse()
+            layer.self_attn.next_weight = layer.mlp.gate_up
 
     def kv_slots_per_layer(self, max_loops: int) -> list[int]:
         """Depth slots of each attention layer: every shared layer keeps one per loop."""
