@@ -86,14 +86,14 @@ def test_l2_prefetch_changes_no_result(monkeypatch, mode):
     monkeypatch.setenv("RLT_L2_PREFETCH", mode)
     for mb in ("8", "24", "1000"):
         monkeypatch.setenv("RLT_L2_PREFETCH_MB", mb)
-        assert gemv_mod._prefetch_plan(gu, 256)[1] > 0
-        assert torch.equal(gemv_mod.linear(x, o, prefetch=gu), want), mb
+        part = gemv_mod.l2_prefetch_slice(gu, "o")
+        assert part.numel() == min(gu.numel(), int(mb) << 19) and gemv_mod._prefetch_plan(part, 256)[1] > 0
+        assert torch.equal(gemv_mod.linear(x, o, prefetch=part), want), mb
 
 
 def test_gemv_graph_replay_equals_eager(monkeypatch):
     """Captured in a CUDA graph (as the decode step is), the GEMV gives the eager results bit for
-    bit, o_proj's L2 prefetch of gate|up included."""
-    monkeypatch.setenv("RLT_L2_PREFETCH_MB", "24")
+    bit, with o_proj sending gate|up and down_proj qkv toward L2."""
     g = torch.Generator(device="cuda").manual_seed(0)
     bf = {"device": "cuda", "dtype": torch.bfloat16}
     qkv, o = torch.randn(6144, 2048, generator=g, **bf), torch.randn(2048, 2048, generator=g, **bf)
@@ -103,9 +103,9 @@ def test_gemv_graph_replay_equals_eager(monkeypatch):
 
         def step(x: torch.Tensor = x) -> tuple[torch.Tensor, ...]:
             a = gemv_mod.linear(x, qkv)
-            b = gemv_mod.linear(a[:, :2048].contiguous(), o, prefetch=gu)
+            b = gemv_mod.linear(a[:, :2048].contiguous(), o, prefetch=gu.view(-1)[: 12 << 20])
             u = gemv_mod.gate_up_silu(b, gu)
-            c = gemv_mod.linear(u, down)
+            c = gemv_mod.linear(u, down, prefetch=qkv.view(-1)[: 4 << 20])
             return a, b, u, c
 
         graph, captured = capture(step)
@@ -138,7 +138,8 @@ def test_dispatch_on_cuda(monkeypatch):
 @pytest.mark.parametrize(
     "family,options",
     [("ouro", ""), ("nanbeige", ""), ("huginn", ""), ("ouro", "RLT_QKV_EPILOGUE=0"), ("ouro", "RLT_L2_PREFETCH_MB=24"),
-     ("ouro", "RLT_L2_PREFETCH_MB=24 RLT_L2_PREFETCH=bulk"), ("nanbeige", "RLT_L2_PREFETCH_MB=24"),
+     ("ouro", "RLT_L2_PREFETCH_MB=24 RLT_L2_PREFETCH=bulk RLT_L2_PREFETCH_DOWN_MB=8"),
+     ("nanbeige", "RLT_L2_PREFETCH_MB=24 RLT_L2_PREFETCH_DOWN_MB=8"),
      ("huginn", "RLT_L2_PREFETCH_MB=24")],
 )  # fmt: skip
 def test_engine_bf16_decode_gemv_matches_cublas(tmp_checkpoint, monkeypatch, family, options):

@@ -16,7 +16,7 @@ from typing import Any, NamedTuple
 import torch
 import torch.nn.functional as F
 
-from rlt_serve.triton_jit import jit, next_pow2, pdl, triton_missing
+from rlt_serve.triton_jit import device_function, jit, next_pow2, pdl, triton_missing
 
 triton: Any = None  # bound on first launch by rlt_serve.triton_jit.jit
 tl: Any = None
@@ -138,6 +138,15 @@ class PendingNorm(NamedTuple):
 
 
 # -- RoPE (rotate-half) on q and k in one launch ------------------------------------------------
+@device_function
+def rope_pair(x1, x2, c1, c2, s1, s2, dt: tl.constexpr):
+    """Both halves of rotate-half RoPE from fp32 values (x holding dtype values): x1*c1 - x2*s1
+    and x2*c2 + x1*s2, each product and the sum rounded to `dt` as the official code rounds."""
+    y1 = ((x1 * c1).to(dt).to(tl.float32) + (-x2 * s1).to(dt).to(tl.float32)).to(dt)
+    y2 = ((x2 * c2).to(dt).to(tl.float32) + (x1 * s2).to(dt).to(tl.float32)).to(dt)
+    return y1, y2
+
+
 def _rope_kernel(
     q_ptr, k_ptr, cos_ptr, sin_ptr, n_q_heads,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_c,
@@ -162,12 +171,9 @@ def _rope_kernel(
     c2 = tl.load(cos_ptr + t * stride_c + HALF + d, mask=m, other=0.0).to(tl.float32)
     s1 = tl.load(sin_ptr + t * stride_c + d, mask=m, other=0.0).to(tl.float32)
     s2 = tl.load(sin_ptr + t * stride_c + HALF + d, mask=m, other=0.0).to(tl.float32)
-    a1 = (x1.to(tl.float32) * c1).to(dt).to(tl.float32)
-    b1 = (-x2.to(tl.float32) * s1).to(dt).to(tl.float32)
-    a2 = (x2.to(tl.float32) * c2).to(dt).to(tl.float32)
-    b2 = (x1.to(tl.float32) * s2).to(dt).to(tl.float32)
-    tl.store(base + d, (a1 + b1).to(dt), mask=m)
-    tl.store(base + HALF + d, (a2 + b2).to(dt), mask=m)
+    y1, y2 = rope_pair(x1.to(tl.float32), x2.to(tl.float32), c1, c2, s1, s2, dt)
+    tl.store(base + d, y1, mask=m)
+    tl.store(base + HALF + d, y2, mask=m)
 
 
 def rope_torch(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

@@ -79,8 +79,7 @@ def _rope_kv_epilogue(out_lo, out_hi, y_ptr, stride_ym, ms, m_ok, mask, rows, j0
     c2 = tl.load(cos_ptr + c_at + half, mask=mask & roped, other=0.0).to(tl.float32)
     s1 = tl.load(sin_ptr + c_at, mask=mask & roped, other=0.0).to(tl.float32)
     s2 = tl.load(sin_ptr + c_at + half, mask=mask & roped, other=0.0).to(tl.float32)
-    y1 = ((x1 * c1).to(dt).to(tl.float32) + (-x2 * s1).to(dt).to(tl.float32)).to(dt)
-    y2 = ((x2 * c2).to(dt).to(tl.float32) + (x1 * s2).to(dt).to(tl.float32)).to(dt)
+    y1, y2 = fused_ops.rope_pair(x1, x2, c1, c2, s1, s2, dt)
     y1 = tl.where(roped, y1, x1.to(dt))
     y2 = tl.where(roped, y2, x2.to(dt))
     y_at = y_ptr + ms[:, None] * stride_ym + rows[None, :]
@@ -291,8 +290,8 @@ def gemv(
 ) -> torch.Tensor:  # fmt: skip
     """x [M, K] @ w[N, K]^T -> [M, N]; with `silu`, w is gate|up [2I, K] and the result
     silu(x @ gate^T) * (x @ up^T) [M, I]; with an `epilogue` (a qkv projection, see epilogue_fits)
-    q and k come out rotated and K/V written. `prefetch`: the weight the next projection reads,
-    of which up to l2_prefetch_bytes() head for L2 while this one waits for its input (CUDA, PDL).
+    q and k come out rotated and K/V written. `prefetch` (see l2_prefetch_slice): bytes of the
+    weight a later projection reads, sent toward L2 while this one waits for its input (CUDA, PDL).
     Any device Triton runs on (the CPU interpreter too)."""
     m, k = x.shape
     rows, kw = w.shape
@@ -387,20 +386,26 @@ L2_PREFETCH = {
 }  # fmt: skip
 
 
-def l2_prefetch_bytes() -> int:
-    """How much of the next projection's weight a GEMV sends to L2 while it waits (`RLT_L2_PREFETCH_MB`)."""
-    return int(float(os.environ.get("RLT_L2_PREFETCH_MB", "0")) * (1 << 20))
+def l2_prefetch_slice(w: torch.Tensor | None, site: str) -> torch.Tensor | None:
+    """The leading bytes of weight `w` that the projection at `site` sends toward L2 (a flat view),
+    or None: `RLT_L2_PREFETCH_MB` for o_proj ("o", the MLP's first weight), `RLT_L2_PREFETCH_DOWN_MB`
+    for down_proj ("down", the next layer's qkv). Read when the model's weights are fused."""
+    name = {"o": "RLT_L2_PREFETCH_MB", "down": "RLT_L2_PREFETCH_DOWN_MB"}[site]
+    budget = int(float(os.environ.get(name, "0")) * (1 << 20))
+    if w is None or budget <= 0 or not w.is_contiguous():
+        return None
+    return w.view(-1)[: budget // w.element_size()]
 
 
 def _prefetch_plan(w: torch.Tensor | None, programs: int) -> tuple[str, int, int]:
-    """(asm, chunk, bytes per program) of the L2 prefetch of `w`'s leading bytes, or ("", 0, 0)."""
+    """(asm, chunk, bytes per program) of the L2 prefetch of all of `w`, or ("", 0, 0)."""
     mode = os.environ.get("RLT_L2_PREFETCH", "line")
     if mode not in L2_PREFETCH:
         raise ValueError(f"RLT_L2_PREFETCH={mode!r}: expected one of {sorted(L2_PREFETCH)}")
     if w is None or not w.is_cuda or not w.is_contiguous() or w.data_ptr() % 16:
         return "", 0, 0
     asm, chunk = L2_PREFETCH[mode]
-    per = min(l2_prefetch_bytes(), w.numel() * w.element_size()) // programs // chunk * chunk
+    per = w.numel() * w.element_size() // programs // chunk * chunk
     return (asm, chunk, per) if per else ("", 0, 0)
 
 

@@ -70,7 +70,7 @@ class CausalSelfAttention(nn.Module):
         if cfg.qk_bias:
             self.qk_bias = nn.Parameter(torch.zeros(2, 1, self.heads, self.head_dim))
         self.proj = nn.Linear(h, h, bias=False)
-        self.next_weight: torch.Tensor | None = None  # the MLP's fc weight, for proj's L2 prefetch
+        self.next_weight: torch.Tensor | None = None  # what proj sends toward L2 (gemv.l2_prefetch_slice)
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], ctx: CoreContext) -> torch.Tensor:
         t = x.shape[0]
@@ -136,7 +136,7 @@ class HuginnForCausalLM(LoopedModel):
 
     def fuse_weights(self) -> None:
         for block in self.transformer.core_block:  # the core blocks run at every depth
-            block.attn.next_weight = block.mlp.fc.weight
+            block.attn.next_weight = gemv.l2_prefetch_slice(block.mlp.fc.weight, "o")
 
     def kv_slots_per_layer(self, max_loops: int) -> list[int]:
         cfg = self.config

@@ -63,6 +63,7 @@ class SwiGLU(nn.Module):
         self.up_proj = nn.Linear(hidden, intermediate, bias=False)
         self.down_proj = nn.Linear(intermediate, hidden, bias=False)
         self.gate_up: torch.Tensor | None = None  # set by fuse()
+        self.next_weight: torch.Tensor | None = None  # what down_proj sends toward L2 (gemv.l2_prefetch_slice)
 
     def fuse(self) -> None:
         self.gate_up = fuse_linears(self.gate_proj, self.up_proj)
@@ -72,7 +73,7 @@ class SwiGLU(nn.Module):
         h, y = x.resolve()
         if self.gate_up is None:
             return h, self.down_proj(F.silu(self.gate_proj(y)) * self.up_proj(y))
-        return h, gemv.linear(gemv.gate_up_silu(y, self.gate_up), self.down_proj.weight)
+        return h, gemv.linear(gemv.gate_up_silu(y, self.gate_up), self.down_proj.weight, self.next_weight)
 
 
 class PagedAttention(nn.Module):
@@ -88,7 +89,7 @@ class PagedAttention(nn.Module):
         self.v_proj = nn.Linear(hidden, kv_heads * head_dim, bias=False)
         self.o_proj = nn.Linear(heads * head_dim, hidden, bias=False)
         self.qkv: torch.Tensor | None = None  # set by fuse()
-        self.next_weight: torch.Tensor | None = None  # the MLP's first weight, for o_proj's L2 prefetch
+        self.next_weight: torch.Tensor | None = None  # what o_proj sends toward L2 (gemv.l2_prefetch_slice)
 
     def fuse(self) -> None:
         self.qkv = fuse_linears(self.q_proj, self.k_proj, self.v_proj)
