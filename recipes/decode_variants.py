@@ -1,6 +1,6 @@
 """Paired c=1 decode timing of environment variants: which kernel option pays end to end.
 
-    python3 recipes/decode_variants.py CKPT "" "RLT_L2_PREFETCH_MB=24" "RLT_PDL=0" [--rounds 2]
+    python3 recipes/decode_variants.py CKPT "" "RLT_QKV_EPILOGUE=0" "RLT_PDL=0" [--rounds 2]
 
 Each variant is a space-separated list of NAME=VALUE settings ("" is the defaults). Per variant
 and round a fresh engine (graphs captured under that variant) prefills one random 512-token

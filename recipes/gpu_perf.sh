@@ -5,7 +5,7 @@
 #   run(command="bash recipes/gpu_perf.sh", carry=[".whl"], timeout_s=600)
 # SHAPE=nanbeige4.2-3b|huginn-0125 benches another family; TESTS='' skips pytest; BENCH='c1 c64 eager'
 # picks the bench set (c1async, c64async: c1, c64 with --async-scheduling, to compare side by side).
-# VARIANTS='"" "RLT_L2_PREFETCH_MB=24"' then times c=1 decode under each env variant, paired
+# VARIANTS='"" "RLT_QKV_EPILOGUE=0"' then times c=1 decode under each env variant, paired
 # (recipes/decode_variants.py; eval'd, so quote each variant).
 # .whl holds msgspec and pyzmq cp312 wheels (the CLI imports the launcher).
 set -uo pipefail

@@ -170,20 +170,3 @@ def test_qkv_epilogue_equals_rope_then_write(cfg, masked):
     with pytest.raises(ValueError, match="epilogue does not fit"):
         gemv(torch.randn(1, k), w_bad, config=cfg if cfg.mode else None, epilogue=epi)
 
-
-def test_l2_prefetch_slice_budget(monkeypatch):
-    """The prefetch budget is read per site and cut from the weight's leading bytes; off (None) by
-    default, for a budget of 0 and for a non-contiguous weight; an unknown mode is a clear error."""
-    w = torch.randn(64, 32, dtype=torch.float16)
-    assert gemv_mod.l2_prefetch_slice(w, "o") is None and gemv_mod.l2_prefetch_slice(w, "down") is None
-    monkeypatch.setenv("RLT_L2_PREFETCH_MB", "0.001")  # 1048 bytes: 524 halves
-    part = gemv_mod.l2_prefetch_slice(w, "o")
-    assert part.numel() == 524 and part.data_ptr() == w.data_ptr()
-    assert gemv_mod.l2_prefetch_slice(w.t(), "o") is None
-    assert gemv_mod.l2_prefetch_slice(w, "down") is None
-    monkeypatch.setenv("RLT_L2_PREFETCH_MB", "1")
-    assert gemv_mod.l2_prefetch_slice(w, "o").numel() == w.numel()
-    assert gemv_mod._prefetch_plan(part, 4) == ("", 0, 0)  # CPU tensors are never prefetched
-    monkeypatch.setenv("RLT_L2_PREFETCH", "nope")
-    with pytest.raises(ValueError, match="RLT_L2_PREFETCH='nope'"):
-        gemv_mod._prefetch_plan(part, 4)

@@ -112,11 +112,11 @@ def test_engine_fused_projections_match_torch(tmp_checkpoint, monkeypatch, famil
     calls = {"gemv": 0, "epilogue": 0, "kv": 0}
     launch = gemv.gemv
 
-    def counting(x, w, silu=False, config=None, epilogue=None, prefetch=None):
+    def counting(x, w, silu=False, config=None, epilogue=None):
         calls["gemv"] += 1
         calls["epilogue"] += epilogue is not None
         calls["kv"] += epilogue is not None and epilogue.kv is not None
-        return launch(x, w, silu, config, epilogue, prefetch)
+        return launch(x, w, silu, config, epilogue)
 
     monkeypatch.setattr(gemv, "gemv", counting)
     monkeypatch.setenv("RLT_GEMV", "interpret")

@@ -18,10 +18,8 @@ results equal the torch path up to the fp32 reduction order.
 
 The qkv projection ends in RoPE and the K/V cache write (qkv_rope; `RLT_QKV_EPILOGUE=0` turns
 it off): a program takes rotation pairs (rows j and j + head_dim/2 of one head, as gate|up pairs
-gate and up rows), so the rope and write_kv launches go. A projection whose input comes from
-attention can send the next projection's weights toward L2 while it waits (`prefetch`), so
-the weight stream goes on while the memory bus would otherwise idle. (A norm in the projections'
-prologue was tried and lost 7% at c=1; recipes/ouro.md.)
+gate and up rows), so the rope and write_kv launches go. (Tried and removed, recipes/ouro.md: a norm in the projections' prologue, 7% slower at c=1; o_proj
+or down_proj prefetching the next weight into L2 while waiting, 1-8% slower.)
 
 Tile shapes are fixed per shape class (no autotuning: the calls are captured in CUDA graphs), no
 host syncs, and nothing is allocated but the output (and the split-K partials) via torch.empty.
@@ -103,36 +101,21 @@ def _rope_kv_epilogue(out_lo, out_hi, y_ptr, stride_ym, ms, m_ok, mask, rows, j0
         tl.store(v_cache + at + half, y2.to(kt), mask=v_ok)
 
 
-@device_function
-def _prefetch_l2(w_ptr, start, nbytes, ASM: tl.constexpr, CHUNK: tl.constexpr, LANES: tl.constexpr):
-    """Fire-and-forget L2 prefetch of bytes [start, start + nbytes) from `w_ptr`, one `ASM`
-    instruction (see L2_PREFETCH) per CHUNK bytes and lane. Nothing waits on them and nothing
-    is read into registers."""
-    base = w_ptr.to(tl.int64)  # the byte address
-    lanes = tl.arange(0, LANES).to(tl.int64) * CHUNK
-    for i in range(0, nbytes, LANES * CHUNK):
-        off = start + i + lanes
-        ok = (off < start + nbytes).to(tl.int32)
-        tl.inline_asm_elementwise(ASM, "=r,l,r", [base + off, ok], dtype=tl.int32, is_pure=False, pack=1)
-
-
 def _gemv_kernel(
     x_ptr, w_ptr, y_ptr, part_ptr, M, N, K, k_split, split, up_off,
     stride_xm, stride_wn, stride_ym,
     cos_ptr, sin_ptr, stride_c, k_cache, v_cache, slot_ptr, depth_ptr, wmask_ptr, plane_base,
-    stride_plane, stride_slot, n_q_heads, n_kv_heads, pf_ptr, pf_bytes,
+    stride_plane, stride_slot, n_q_heads, n_kv_heads,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PARTIAL: tl.constexpr,
     SILU: tl.constexpr, MODE: tl.constexpr, ROPE: tl.constexpr, HEAD_D: tl.constexpr, KV_WRITE: tl.constexpr,
-    HAS_WMASK: tl.constexpr, PAIRED: tl.constexpr, PF_ASM: tl.constexpr, PF_CHUNK: tl.constexpr,
-    PF_LANES: tl.constexpr, PDL: tl.constexpr,
+    HAS_WMASK: tl.constexpr, PAIRED: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     """Program (n block, k split): outputs [n0, n0+BLOCK_N) over K range [s*k_split, (s+1)*k_split).
     With SILU, up rows sit `up_off` rows below the gate rows. PARTIAL stores fp32 partials
     [split, M, N] (with SILU the up partials follow, another [split, M, N]) for _reduce_kernel.
     With ROPE (a qkv projection) a program takes BLOCK_N rotation pairs of one head, rows j and
     j + HEAD_D/2 (as SILU takes gate and up rows), and ends in _rope_kv_epilogue. PAIRED: SILU or ROPE.
-    With PDL the first W tile (MODE 0) is loaded before waiting for the kernel that wrote x; with
-    PF_CHUNK each program also sends `pf_bytes` of the next projection's weights toward L2."""
+    With PDL the first W tile (MODE 0) is loaded before waiting for the kernel that wrote x."""
     if PDL:
         tl.extra.cuda.gdc_launch_dependents()
     pid_n = tl.program_id(0)
@@ -166,9 +149,6 @@ def _gemv_kernel(
         w = tl.load(w_rows + ks[None, :], mask=w_mask, other=0.0)
         if PAIRED:
             wu = tl.load(w_rows + up_off * stride_wn + ks[None, :], mask=w_mask, other=0.0)
-    if PF_CHUNK > 0:
-        _prefetch_l2(pf_ptr, (pid_k * tl.num_programs(0) + pid_n).to(tl.int64) * pf_bytes, pf_bytes, PF_ASM,
-                     PF_CHUNK, PF_LANES)  # fmt: skip
     if PDL:
         tl.extra.cuda.gdc_wait()
         if MODE == 0:
@@ -286,13 +266,11 @@ def cublas_wins(m: int, rows: int, k: int) -> bool:
 
 def gemv(
     x: torch.Tensor, w: torch.Tensor, silu: bool = False, config: GemvConfig | None = None,
-    epilogue: QKVEpilogue | None = None, prefetch: torch.Tensor | None = None,
+    epilogue: QKVEpilogue | None = None,
 ) -> torch.Tensor:  # fmt: skip
     """x [M, K] @ w[N, K]^T -> [M, N]; with `silu`, w is gate|up [2I, K] and the result
     silu(x @ gate^T) * (x @ up^T) [M, I]; with an `epilogue` (a qkv projection, see epilogue_fits)
-    q and k come out rotated and K/V written. `prefetch` (see l2_prefetch_slice): bytes of the
-    weight a later projection reads, sent toward L2 while this one waits for its input (CUDA, PDL).
-    Any device Triton runs on (the CPU interpreter too)."""
+    q and k come out rotated and K/V written. Any device Triton runs on (the CPU interpreter too)."""
     m, k = x.shape
     rows, kw = w.shape
     if kw != k or (silu and rows % 2):
@@ -319,7 +297,6 @@ def gemv(
     block_n = cfg.block_n // 2 if epi is not None else cfg.block_n  # a pair of rows each
     grid = (-(-n // cfg.block_n), split)
     launch = pdl(x)
-    pf_asm, pf_chunk, pf_bytes = _prefetch_plan(prefetch, grid[0] * grid[1]) if launch["PDL"] else ("", 0, 0)
     jit(_gemv_kernel)[grid](
         x, w, y, part, m, n, k, k_split, split, epi.head_dim // 2 if epi is not None else n,
         x.stride(0), w.stride(0), y.stride(0),
@@ -327,11 +304,9 @@ def gemv(
         kvw.write_mask if kvw is not None and kvw.write_mask is not None else x,
         *((kvw.plane_base, kvw.k_cache.stride(0), kvw.k_cache.stride(1)) if kvw is not None else (0, 0, 0)),
         epi.heads if epi is not None else 0, epi.kv_heads if epi is not None else 0,
-        prefetch if pf_chunk else x, pf_bytes,
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=cfg.block_k, PARTIAL=split > 1, SILU=silu, MODE=cfg.mode,
         ROPE=epi is not None, HEAD_D=epi.head_dim if epi is not None else 2, KV_WRITE=kvw is not None,
         HAS_WMASK=kvw is not None and kvw.write_mask is not None, PAIRED=silu or epi is not None,
-        PF_ASM=pf_asm, PF_CHUNK=pf_chunk, PF_LANES=32 * cfg.num_warps,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **launch,
     )  # fmt: skip
     if split > 1:
@@ -375,40 +350,6 @@ def _k_split(k: int, cfg: GemvConfig) -> tuple[int, int]:
     return k_split, -(-k // k_split)
 
 
-# L2 prefetch instructions by RLT_L2_PREFETCH mode: (PTX predicated on $2, bytes each)
-L2_PREFETCH = {
-    "line": ("{ .reg .pred p; setp.ne.s32 p, $2, 0; @p prefetch.global.L2 [$1]; mov.u32 $0, 0; }", 128),
-    "evict_last": (
-        "{ .reg .pred p; setp.ne.s32 p, $2, 0; @p prefetch.global.L2::evict_last [$1]; mov.u32 $0, 0; }", 128
-    ),
-    "bulk": ("{ .reg .pred p; setp.ne.s32 p, $2, 0; @p cp.async.bulk.prefetch.L2.global [$1], 4096; mov.u32 $0, 0; }",
-             4096),
-}  # fmt: skip
-
-
-def l2_prefetch_slice(w: torch.Tensor | None, site: str) -> torch.Tensor | None:
-    """The leading bytes of weight `w` that the projection at `site` sends toward L2 (a flat view),
-    or None: `RLT_L2_PREFETCH_MB` for o_proj ("o", the MLP's first weight), `RLT_L2_PREFETCH_DOWN_MB`
-    for down_proj ("down", the next layer's qkv). Read when the model's weights are fused."""
-    name = {"o": "RLT_L2_PREFETCH_MB", "down": "RLT_L2_PREFETCH_DOWN_MB"}[site]
-    budget = int(float(os.environ.get(name, "0")) * (1 << 20))
-    if w is None or budget <= 0 or not w.is_contiguous():
-        return None
-    return w.view(-1)[: budget // w.element_size()]
-
-
-def _prefetch_plan(w: torch.Tensor | None, programs: int) -> tuple[str, int, int]:
-    """(asm, chunk, bytes per program) of the L2 prefetch of all of `w`, or ("", 0, 0)."""
-    mode = os.environ.get("RLT_L2_PREFETCH", "line")
-    if mode not in L2_PREFETCH:
-        raise ValueError(f"RLT_L2_PREFETCH={mode!r}: expected one of {sorted(L2_PREFETCH)}")
-    if w is None or not w.is_cuda or not w.is_contiguous() or w.data_ptr() % 16:
-        return "", 0, 0
-    asm, chunk = L2_PREFETCH[mode]
-    per = w.numel() * w.element_size() // programs // chunk * chunk
-    return (asm, chunk, per) if per else ("", 0, 0)
-
-
 def _use_gemv(x: torch.Tensor, w: torch.Tensor, silu: bool = False) -> bool:
     """Decode-sized CUDA inputs; with `RLT_GEMV=interpret` also the CPU (Triton's interpreter, any
     float dtype), so the layers' fused paths run in CPU tests."""
@@ -425,9 +366,9 @@ def _use_gemv(x: torch.Tensor, w: torch.Tensor, silu: bool = False) -> bool:
     )
 
 
-def linear(x: torch.Tensor, w: torch.Tensor, prefetch: torch.Tensor | None = None) -> torch.Tensor:
-    """F.linear(x, w) (no bias), through the GEMV for decode-sized CUDA inputs (see gemv's `prefetch`)."""
-    return gemv(x, w, prefetch=prefetch) if _use_gemv(x, w) else F.linear(x, w)
+def linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """F.linear(x, w) (no bias), through the GEMV for decode-sized CUDA inputs."""
+    return gemv(x, w) if _use_gemv(x, w) else F.linear(x, w)
 
 
 def gate_up_silu(x: torch.Tensor, gate_up: torch.Tensor) -> torch.Tensor:

@@ -70,7 +70,6 @@ class CausalSelfAttention(nn.Module):
         if cfg.qk_bias:
             self.qk_bias = nn.Parameter(torch.zeros(2, 1, self.heads, self.head_dim))
         self.proj = nn.Linear(h, h, bias=False)
-        self.next_weight: torch.Tensor | None = None  # what proj sends toward L2 (gemv.l2_prefetch_slice)
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], ctx: CoreContext) -> torch.Tensor:
         t = x.shape[0]
@@ -79,7 +78,7 @@ class CausalSelfAttention(nn.Module):
             q, k = q + self.qk_bias[0, 0], k + self.qk_bias[1, 0]
         q, k = InterleavedRotary.apply(q, *rope), InterleavedRotary.apply(k, *rope)
         o = ctx.backend.forward(q, k, v.contiguous(), ctx.kv, self.layer, ctx.meta, self.scale)
-        return gemv.linear(o.reshape(t, self.heads * self.head_dim), self.proj.weight, self.next_weight)
+        return gemv.linear(o.reshape(t, self.heads * self.head_dim), self.proj.weight)
 
 
 class GatedMLP(nn.Module):
@@ -133,10 +132,6 @@ class HuginnForCausalLM(LoopedModel):
         )
         self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.rotary = InterleavedRotary(cfg.head_dim, cfg.rope_theta)
-
-    def fuse_weights(self) -> None:
-        for block in self.transformer.core_block:  # the core blocks run at every depth
-            block.attn.next_weight = gemv.l2_prefetch_slice(block.mlp.fc.weight, "o")
 
     def kv_slots_per_layer(self, max_loops: int) -> list[int]:
         cfg = self.config

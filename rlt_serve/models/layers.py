@@ -63,7 +63,6 @@ class SwiGLU(nn.Module):
         self.up_proj = nn.Linear(hidden, intermediate, bias=False)
         self.down_proj = nn.Linear(intermediate, hidden, bias=False)
         self.gate_up: torch.Tensor | None = None  # set by fuse()
-        self.next_weight: torch.Tensor | None = None  # what down_proj sends toward L2 (gemv.l2_prefetch_slice)
 
     def fuse(self) -> None:
         self.gate_up = fuse_linears(self.gate_proj, self.up_proj)
@@ -73,7 +72,7 @@ class SwiGLU(nn.Module):
         h, y = x.resolve()
         if self.gate_up is None:
             return h, self.down_proj(F.silu(self.gate_proj(y)) * self.up_proj(y))
-        return h, gemv.linear(gemv.gate_up_silu(y, self.gate_up), self.down_proj.weight, self.next_weight)
+        return h, gemv.linear(gemv.gate_up_silu(y, self.gate_up), self.down_proj.weight)
 
 
 class PagedAttention(nn.Module):
@@ -89,7 +88,6 @@ class PagedAttention(nn.Module):
         self.v_proj = nn.Linear(hidden, kv_heads * head_dim, bias=False)
         self.o_proj = nn.Linear(heads * head_dim, hidden, bias=False)
         self.qkv: torch.Tensor | None = None  # set by fuse()
-        self.next_weight: torch.Tensor | None = None  # what o_proj sends toward L2 (gemv.l2_prefetch_slice)
 
     def fuse(self) -> None:
         self.qkv = fuse_linears(self.q_proj, self.k_proj, self.v_proj)
@@ -122,7 +120,7 @@ class PagedAttention(nn.Module):
             q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
         kv_written = done and target is not None
         o = ctx.backend.forward(q, k, v, ctx.kv, self.layer, ctx.meta, self.scale, kv_written=kv_written)
-        return h, gemv.linear(o.reshape(t, self.heads * self.head_dim), self.o_proj.weight, self.next_weight)
+        return h, gemv.linear(o.reshape(t, self.heads * self.head_dim), self.o_proj.weight)
 
 
 class CoreContext:

@@ -13,7 +13,6 @@ from torch import nn
 
 from rlt_serve.config import ModelConfig
 from rlt_serve.models.base import CoreOutput, LoopedModel, PreludeOutput
-from rlt_serve.models import gemv
 from rlt_serve.models.fused_ops import PendingNorm
 from rlt_serve.models.layers import CoreContext, PagedAttention, RMSNorm, RotaryEmbedding, SwiGLU
 
@@ -62,13 +61,9 @@ class LoopedLlamaForCausalLM(LoopedModel):
         self.rotary = RotaryEmbedding(cfg.head_dim, cfg.rope_theta)
 
     def fuse_weights(self) -> None:
-        layers = self.model.layers
-        for layer in layers:
+        for layer in self.model.layers:
             layer.self_attn.fuse()
             layer.mlp.fuse()
-        for i, layer in enumerate(layers):  # what each GEMV sends toward L2 (the last: the next loop's)
-            layer.self_attn.next_weight = gemv.l2_prefetch_slice(layer.mlp.gate_up, "o")
-            layer.mlp.next_weight = gemv.l2_prefetch_slice(layers[(i + 1) % len(layers)].self_attn.qkv, "down")
 
     def kv_slots_per_layer(self, max_loops: int) -> list[int]:
         """Depth slots of each attention layer: every shared layer keeps one per loop."""
