@@ -119,7 +119,7 @@ def test_dispatch_keeps_torch_off_cuda(monkeypatch):
     """On the CPU (interpreting or not) the layers' helpers are F.linear and silu_mul exactly."""
     g = torch.Generator().manual_seed(4)
     x, w = torch.randn(2, 16, generator=g), torch.randn(12, 16, generator=g)
-    assert not gemv_mod._use_gemv(x, w)
+    assert not gemv_mod.use_gemv(x, w)
     assert torch.equal(gemv_mod.linear(x, w), F.linear(x, w))
     gate, up = F.linear(x, w).chunk(2, dim=-1)
     assert torch.equal(gemv_mod.gate_up_silu(x, w), F.silu(gate) * up)
@@ -169,4 +169,3 @@ def test_qkv_epilogue_equals_rope_then_write(cfg, masked):
     w_bad = torch.randn((heads + 2 * kv_heads) * d + 1, k)
     with pytest.raises(ValueError, match="epilogue does not fit"):
         gemv(torch.randn(1, k), w_bad, config=cfg if cfg.mode else None, epilogue=epi)
-

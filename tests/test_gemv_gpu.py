@@ -75,8 +75,7 @@ def test_qkv_epilogue_matches_rope_and_write_bf16(heads, kv_heads, k):
 
 
 def test_gemv_graph_replay_equals_eager():
-    """Captured in a CUDA graph (as the decode step is), the GEMV gives the eager results bit for
-    bit."""
+    """Captured in a CUDA graph (as the decode step is), the GEMV gives the eager results bit for bit."""
     g = torch.Generator(device="cuda").manual_seed(0)
     bf = {"device": "cuda", "dtype": torch.bfloat16}
     qkv, o = torch.randn(6144, 2048, generator=g, **bf), torch.randn(2048, 2048, generator=g, **bf)
@@ -105,16 +104,16 @@ def test_dispatch_on_cuda(monkeypatch):
     g = torch.Generator(device="cuda").manual_seed(1)
     w = torch.randn(6144, 256, device="cuda", dtype=torch.bfloat16, generator=g)
     x = torch.randn(4, 256, device="cuda", dtype=torch.bfloat16, generator=g)
-    assert gemv_mod._use_gemv(x, w)
+    assert gemv_mod.use_gemv(x, w)
     assert torch.equal(gemv_mod.linear(x, w), gemv(x, w))
     o = torch.randn(2048, 2048, device="cuda", dtype=torch.bfloat16, generator=g)
     xo = torch.randn(4, 2048, device="cuda", dtype=torch.bfloat16, generator=g)
-    assert not gemv_mod._use_gemv(xo, o) and gemv_mod._use_gemv(xo[:1], o)  # see gemv.cublas_wins
+    assert not gemv_mod.use_gemv(xo, o) and gemv_mod.use_gemv(xo[:1], o)  # see gemv.cublas_wins
     assert torch.equal(gemv_mod.linear(xo, o), F.linear(xo, o))
-    assert not gemv_mod._use_gemv(torch.randn(gemv_mod.MAX_M + 1, 256, device="cuda", dtype=torch.bfloat16), w)
-    assert not gemv_mod._use_gemv(x.float(), w.float())
+    assert not gemv_mod.use_gemv(torch.randn(gemv_mod.MAX_M + 1, 256, device="cuda", dtype=torch.bfloat16), w)
+    assert not gemv_mod.use_gemv(x.float(), w.float())
     monkeypatch.setenv("RLT_GEMV", "0")
-    assert not gemv_mod._use_gemv(x, w)
+    assert not gemv_mod.use_gemv(x, w)
     assert torch.equal(gemv_mod.linear(x, w), F.linear(x, w))
 
 
@@ -134,11 +133,10 @@ def test_engine_bf16_decode_gemv_matches_cublas(tmp_checkpoint, monkeypatch, fam
         monkeypatch.setenv("RLT_GEMV", "0")
         want, _ = _steady_decode(path, "bfloat16", concurrency)
         monkeypatch.setenv("RLT_GEMV", "1")
-        for option in options.split():
-            monkeypatch.setenv(*option.split("="))
-        got, engine = _steady_decode(path, "bfloat16", concurrency)
-        for option in options.split():
-            monkeypatch.delenv(option.split("=")[0])
+        with monkeypatch.context() as mp:
+            for option in options.split():
+                mp.setenv(*option.split("="))
+            got, engine = _steady_decode(path, "bfloat16", concurrency)
         assert engine.stats().num_cuda_graph_replays > 0
         assert got.keys() == want.keys()
         for rid, (tokens, logprobs) in want.items():

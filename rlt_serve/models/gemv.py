@@ -18,8 +18,9 @@ results equal the torch path up to the fp32 reduction order.
 
 The qkv projection ends in RoPE and the K/V cache write (qkv_rope; `RLT_QKV_EPILOGUE=0` turns
 it off): a program takes rotation pairs (rows j and j + head_dim/2 of one head, as gate|up pairs
-gate and up rows), so the rope and write_kv launches go. (Tried and removed, recipes/ouro.md: a norm in the projections' prologue, 7% slower at c=1; o_proj
-or down_proj prefetching the next weight into L2 while waiting, 1-8% slower.)
+gate and up rows), so the rope and write_kv launches go. (Tried and removed, recipes/ouro.md: a
+norm in the projections' prologue, 7% slower at c=1; o_proj or down_proj prefetching the next
+weight into L2 while waiting, 1-8% slower.)
 
 Tile shapes are fixed per shape class (no autotuning: the calls are captured in CUDA graphs), no
 host syncs, and nothing is allocated but the output (and the split-K partials) via torch.empty.
@@ -350,7 +351,7 @@ def _k_split(k: int, cfg: GemvConfig) -> tuple[int, int]:
     return k_split, -(-k // k_split)
 
 
-def _use_gemv(x: torch.Tensor, w: torch.Tensor, silu: bool = False) -> bool:
+def use_gemv(x: torch.Tensor, w: torch.Tensor, silu: bool = False) -> bool:
     """Decode-sized CUDA inputs; with `RLT_GEMV=interpret` also the CPU (Triton's interpreter, any
     float dtype), so the layers' fused paths run in CPU tests."""
     interpret = os.environ.get("RLT_GEMV") == "interpret" and os.environ.get("TRITON_INTERPRET") == "1"
@@ -368,12 +369,12 @@ def _use_gemv(x: torch.Tensor, w: torch.Tensor, silu: bool = False) -> bool:
 
 def linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """F.linear(x, w) (no bias), through the GEMV for decode-sized CUDA inputs."""
-    return gemv(x, w) if _use_gemv(x, w) else F.linear(x, w)
+    return gemv(x, w) if use_gemv(x, w) else F.linear(x, w)
 
 
 def gate_up_silu(x: torch.Tensor, gate_up: torch.Tensor) -> torch.Tensor:
     """silu_mul(F.linear(x, gate_up)) for a fused gate|up weight, one kernel at decode sizes."""
-    return gemv(x, gate_up, silu=True) if _use_gemv(x, gate_up, silu=True) else fused_ops.silu_mul(F.linear(x, gate_up))
+    return gemv(x, gate_up, silu=True) if use_gemv(x, gate_up, silu=True) else fused_ops.silu_mul(F.linear(x, gate_up))
 
 
 def qkv_epilogue() -> bool:
@@ -383,9 +384,10 @@ def qkv_epilogue() -> bool:
 
 
 def qkv_rope(x: torch.Tensor, w: torch.Tensor, epilogue: QKVEpilogue) -> tuple[torch.Tensor, bool]:
-    """(qkv, done): where the GEMV serves and its tile fits, one kernel whose q and k come out
-    rotated and, where `epilogue.kv`, K/V written (done True); otherwise linear(x, w), for the
-    caller to rotate and write."""
-    if qkv_epilogue() and _use_gemv(x, w) and epilogue_fits(x.shape[0], w, epilogue):
+    """(qkv, done) of a call the GEMV serves (the caller checked use_gemv and qkv_epilogue, so
+    prefill builds no epilogue): where the tile fits, one kernel whose q and k come out rotated
+    and, where `epilogue.kv`, K/V written (done True); otherwise the plain GEMV, for the caller
+    to rotate and write."""
+    if epilogue_fits(x.shape[0], w, epilogue):
         return gemv(x, w, epilogue=epilogue), True
-    return linear(x, w), False
+    return gemv(x, w), False

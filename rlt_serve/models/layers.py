@@ -103,7 +103,7 @@ class PagedAttention(nn.Module):
             q, k, v = self.q_proj(y), self.k_proj(y), self.v_proj(y)
         else:
             nq, nkv = self.heads * self.head_dim, self.kv_heads * self.head_dim
-            if gemv.qkv_epilogue():
+            if gemv.qkv_epilogue() and gemv.use_gemv(y, self.qkv):
                 target = ctx.backend.kv_write_target(ctx.kv, self.layer, ctx.meta)
                 cos, sin = (c.reshape(t, self.head_dim) for c in cos_sin)
                 epilogue = gemv.QKVEpilogue(cos, sin, self.heads, self.kv_heads, self.head_dim, target)
