@@ -52,6 +52,12 @@ def jit(fn: Any) -> Any:
     return _JITTED[key]
 
 
+# Launch option for kernels that round where torch's ops round (a product to the dtype, then a sum):
+# with FP fusion on, LLVM narrows such a pair to bf16 ops and contracts them into one fma.rn.bf16,
+# skipping the product's rounding (seen in the sm_90 PTX of the RoPE kernel: 1-ulp differences).
+EXACT_ROUNDING: dict[str, bool] = {"enable_fp_fusion": False}
+
+
 def next_pow2(n: int) -> int:
     return 1 << max(0, n - 1).bit_length()
 

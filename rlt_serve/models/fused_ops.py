@@ -16,7 +16,7 @@ from typing import Any, NamedTuple
 import torch
 import torch.nn.functional as F
 
-from rlt_serve.triton_jit import device_function, jit, next_pow2, pdl, triton_missing
+from rlt_serve.triton_jit import EXACT_ROUNDING, device_function, jit, next_pow2, pdl, triton_missing
 
 triton: Any = None  # bound on first launch by rlt_serve.triton_jit.jit
 tl: Any = None
@@ -78,7 +78,7 @@ def _add_norm_triton(x, residual, pre, post):  # fmt: skip
         cols, pre.eps if pre is not None else 0.0, post.eps if post is not None else 0.0,
         x.stride(0), res.stride(0), h.stride(0), y.stride(0),
         HAS_PRE=pre is not None, HAS_RES=residual is not None, HAS_POST=post is not None,
-        BLOCK=next_pow2(cols), num_warps=4 if cols <= 4096 else 8, **pdl(x),
+        BLOCK=next_pow2(cols), num_warps=4 if cols <= 4096 else 8, **pdl(x), **EXACT_ROUNDING,
     )  # fmt: skip
     return h, y
 
@@ -195,7 +195,7 @@ def _rope_triton(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch
     if t:
         jit(_rope_kernel)[(t, heads + k.shape[1])](
             q, k, cos2, sin2, heads, q.stride(0), q.stride(1), k.stride(0), k.stride(1), cos2.stride(0),
-            HALF=dim // 2, BLOCK=next_pow2(dim // 2), num_warps=1, **pdl(q),
+            HALF=dim // 2, BLOCK=next_pow2(dim // 2), num_warps=1, **pdl(q), **EXACT_ROUNDING,
         )  # fmt: skip
     return q, k
 
@@ -231,6 +231,7 @@ def _silu_mul_triton(gate_up: torch.Tensor) -> torch.Tensor:
     block = min(1024, next_pow2(n))
     if t:
         jit(_silu_mul_kernel)[(t, -(-n // block))](
-            gate_up, out, n, gate_up.stride(0), out.stride(0), BLOCK=block, num_warps=4, **pdl(gate_up)
+            gate_up, out, n, gate_up.stride(0), out.stride(0), BLOCK=block, num_warps=4, **pdl(gate_up),
+            **EXACT_ROUNDING,
         )
     return out

@@ -37,7 +37,7 @@ import torch.nn.functional as F
 
 from rlt_serve.attention.backend import KVWriteTarget
 from rlt_serve.models import fused_ops
-from rlt_serve.triton_jit import device_function, jit, next_pow2, pdl, triton_missing
+from rlt_serve.triton_jit import EXACT_ROUNDING, device_function, jit, next_pow2, pdl, triton_missing
 
 triton: Any = None  # bound on first launch by rlt_serve.triton_jit.jit
 tl: Any = None
@@ -308,7 +308,7 @@ def gemv(
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=cfg.block_k, PARTIAL=split > 1, SILU=silu, MODE=cfg.mode,
         ROPE=epi is not None, HEAD_D=epi.head_dim if epi is not None else 2, KV_WRITE=kvw is not None,
         HAS_WMASK=kvw is not None and kvw.write_mask is not None, PAIRED=silu or epi is not None,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **launch,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **launch, **(EXACT_ROUNDING if epi is not None else {}),
     )  # fmt: skip
     if split > 1:
         block = min(1024, next_pow2(n))
