@@ -246,10 +246,11 @@ def test_fused_ops_bf16_match_torch():
     want_h = res + fused_ops.rms_norm_torch(x, pre.weight, pre.eps)
     want_y = fused_ops.rms_norm_torch(want_h, post.weight, post.eps)
     # The fp32 sum of squares is reduced in another order: a rounding boundary may move one ulp.
+    # (With FP fusion on, 2 ulps were seen; with EXACT_ROUNDING, an H100 matched all 614,400 exactly.)
     for got, want in ((h, want_h), (y, want_y)):
         ulp = (want.float().abs() * 2**-7).clamp_min(2**-5)  # one ulp at magnitude 4 where sums cancel
         worst = ((got.float() - want.float()).abs() / ulp).max().item()
-        assert worst <= 2.0, worst  # H200: 2 ulps at worst (two stacked norms)
+        assert worst <= 1.0, worst
     qkv = torch.randn(300, 3 * 16 * 128, generator=g, **bf)
     q, k, _ = qkv.split(16 * 128, dim=-1)
     q, k = q.view(300, 16, 128), k.view(300, 16, 128)
