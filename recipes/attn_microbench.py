@@ -6,6 +6,7 @@ and the KV write alone (Triton kernel vs torch index_copy_), against bandwidth/F
 Usage: python recipes/attn_microbench.py [backend ...]
        python recipes/attn_microbench.py --sweep   (Triton decode: block_n x num_warps x num_stages)
        python recipes/attn_microbench.py --sweep-splits   (c=1 decode: kernel x split-KV key range)
+       python recipes/attn_microbench.py --fp8   (bf16 vs float8 KV: conversion vs bit operands, tiles)
 """
 
 from __future__ import annotations
@@ -45,10 +46,13 @@ def shapes() -> dict[str, list[tuple[int, int, int]]]:
     }
 
 
-def paged_cache(pages: int = 64 * 41 + 64) -> tuple[KVCache, list[int]]:
+def paged_cache(pages: int = 64 * 41 + 64, dtype: torch.dtype = DT) -> tuple[KVCache, list[int]]:
     """The Ouro plane layout (layer 5's planes are the ones timed) and its pages in shuffled order,
     so a row's pages are scattered as they are after a server has run a while."""
-    kv = KVCache([LOOPS] * 8, pages, PAGE, KV_HEADS, HEAD_DIM, DT, DEV)
+    kv = KVCache([LOOPS] * 8, pages, PAGE, KV_HEADS, HEAD_DIM, dtype, DEV)
+    if dtype.itemsize == 1:
+        for t in (kv.k, kv.v):
+            t.copy_(torch.randn(t.shape, device=DEV).to(dtype))
     free = list(range(kv.num_pages))
     random.Random(1).shuffle(free)
     return kv, free
@@ -139,10 +143,39 @@ def sweep_splits() -> None:
             print(f"{ctx:>8}{kernel:>9}{split_keys:>11}{splits:>7}{us:>8.1f}{floor_us / us:>9.1%}")
 
 
+def fp8() -> None:
+    """bf16 against float8 KV on the decode and prefill shapes: float8 converted to bf16 in the
+    kernel (`fp8_bits` off) or moved into fp16 operands bit by bit, over a few tiles."""
+    print(f"{'shape':<24}{'kv':>7}{'operands':>10}{'block_n':>8}{'stages':>7}{'us':>9}{'bf16 KV floor':>14}")
+    for kv_dtype in (DT, torch.float8_e4m3fn, torch.float8_e5m2):
+        kv, free = paged_cache(dtype=kv_dtype)
+        for name, spec in shapes().items():
+            rows = [RowSpec(n, s, d, free[i * 41 : i * 41 + -(-(s + n) // PAGE)]) for i, (n, s, d) in enumerate(spec)]
+            t = sum(r.num_query for r in rows)
+            q = torch.randn(t, HEADS, HEAD_DIM, device=DEV, dtype=DT)
+            k = torch.randn(t, KV_HEADS, HEAD_DIM, device=DEV, dtype=DT)
+            v = torch.randn_like(k)
+            floor_us = kv_floor_us(sum(r.end_pos for r in rows))
+            modes = [True] if kv_dtype == DT else [False, True]
+            for bits, block_n, stages in itertools.product(modes, (64, 128), (None, 3)):
+                backend = tuned_backend("tiled", block_n=block_n, num_stages=stages)
+                backend.fp8_bits = bits
+                meta = backend.prepare(rows, kv)
+                try:
+                    us = device_us(lambda b=backend, m=meta: b.forward(q, k, v, kv, 5, m, HEAD_DIM**-0.5))  # noqa: B023
+                except Exception as e:  # out of shared memory / registers for this tile
+                    print(f"{name:<24}{str(kv_dtype)[6:13]:>7}{bits!s:>10}{block_n:>8}{stages!s:>7}  {type(e).__name__}")
+                    continue
+                label = "bits" if bits and kv_dtype != DT else "convert" if kv_dtype != DT else "-"
+                print(f"{name:<24}{str(kv_dtype)[6:13]:>7}{label:>10}{block_n:>8}{stages!s:>7}{us:>9.1f}{floor_us:>14.1f}")
+
+
 if __name__ == "__main__":
     if sys.argv[1:] == ["--sweep"]:
         sweep()
     elif sys.argv[1:] == ["--sweep-splits"]:
         sweep_splits()
+    elif sys.argv[1:] == ["--fp8"]:
+        fp8()
     else:
         main(sys.argv[1:] or ["torch", "triton", "flash-attn"])

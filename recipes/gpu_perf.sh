@@ -7,6 +7,8 @@
 # picks the bench set (c1async, c64async: c1, c64 with --async-scheduling, to compare side by side).
 # VARIANTS='"" "RLT_QKV_EPILOGUE=0"' then times c=1 decode under each env variant, paired
 # (recipes/decode_variants.py; eval'd, so quote each variant).
+# EXTRA='--kv-cache-dtype fp8' adds bench flags, TAG=_fp8 suffixes the JSON names (two passes in one call);
+# TEST_FILES picks the pytest files.
 # .whl holds msgspec and pyzmq cp312 wheels (the CLI imports the launcher).
 set -uo pipefail
 OUT=${OUT:-/tmp/rlt_out}; mkdir -p "$OUT"
@@ -17,6 +19,9 @@ CKPT=${CKPT:-/tmp/rlt_${SHAPE}_bf16}
 TESTS=${TESTS-"graph or sync or (fp32_greedy and triton)"}
 BENCH=${BENCH:-c1 c64 eager}
 EXTRA=${EXTRA:-}
+TAG=${TAG:-}
+TEST_FILES=${TEST_FILES:-tests/test_gpu.py tests/test_gemv_gpu.py}
+TEST_LIMIT=${TEST_LIMIT:-420}
 if ls .whl/*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site
 fi
@@ -26,7 +31,7 @@ RLT="python3 -m rlt_serve.cli"
 CK=$!
 if [ -n "$TESTS" ]; then
   echo "=== pytest -m gpu -k '$TESTS'"; t0=$SECONDS
-  timeout 420 python3 -m pytest -m gpu -q -p no:cacheprovider tests/test_gpu.py tests/test_gemv_gpu.py -k "$TESTS" 2>&1 | tail -25
+  timeout "$TEST_LIMIT" python3 -m pytest -m gpu -q -p no:cacheprovider $TEST_FILES -k "$TESTS" 2>&1 | tail -25
   echo "=== pytest: $((SECONDS - t0))s"
 fi
 wait $CK; cat "$OUT/ckpt.txt" 2>/dev/null
@@ -34,7 +39,7 @@ b() {  # b NAME LIMIT ARGS...
   local name=$1 limit=$2; shift 2
   echo "=== bench $name"; local t0=$SECONDS
   timeout "$limit" $RLT bench --model "$CKPT" --dtype bfloat16 --input-len 512 --output-len 128 --runs 3 --warmup 1 \
-    --json "$OUT/bench_${SHAPE}_${name}.json" $EXTRA "$@"
+    --json "$OUT/bench_${SHAPE}_${name}${TAG}.json" $EXTRA "$@"
   echo "=== bench $name: rc=$? $((SECONDS - t0))s"
 }
 for x in $BENCH; do

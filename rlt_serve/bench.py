@@ -52,11 +52,13 @@ class Roofline:
     itemsize: int
     bandwidth: float = H200_BANDWIDTH
     flops: float = H200_BF16_FLOPS
+    kv_itemsize: int | None = None  # bytes per stored K/V value (kv_cache_dtype); None: itemsize
 
     @classmethod
     def from_checkpoint(
-        cls, model_dir: str, cfg: ModelConfig, dtype: torch.dtype, loops: int, **peaks: float
-    ) -> Roofline:
+        cls, model_dir: str, cfg: ModelConfig, dtype: torch.dtype, loops: int,
+        kv_dtype: torch.dtype | None = None, **peaks: float,
+    ) -> Roofline:  # fmt: skip
         core = head = embed = 0
         has_lm_head = False
         files = checkpoint_files(model_dir)
@@ -78,7 +80,8 @@ class Roofline:
             head += embed  # the output projection reads the whole (tied) embedding
         itemsize = torch.empty((), dtype=dtype).element_size()
         return cls(total, core, head, embed, loops, cfg.num_hidden_layers, cfg.num_attention_heads,
-                   cfg.num_key_value_heads, cfg.head_dim, itemsize, **peaks)  # fmt: skip
+                   cfg.num_key_value_heads, cfg.head_dim, itemsize, **peaks,
+                   kv_itemsize=kv_dtype.itemsize if kv_dtype is not None else None)  # fmt: skip
 
     @property
     def weight_bytes_per_step(self) -> int:
@@ -87,7 +90,8 @@ class Roofline:
 
     def kv_bytes(self, context: float) -> float:
         """KV one decode token reads over all its loops at `context` positions."""
-        return self.loops * self.layers * 2 * self.kv_heads * self.head_dim * self.itemsize * context
+        kv_itemsize = self.kv_itemsize or self.itemsize
+        return self.loops * self.layers * 2 * self.kv_heads * self.head_dim * kv_itemsize * context
 
     def attn_flops(self, query_positions: float) -> float:
         """QK^T and PV over all loops for queries that see `query_positions` keys in total."""
@@ -130,6 +134,7 @@ class BenchConfig:
     warmup: int = 1
     warmup_output_len: int = 8  # output tokens per warm-up request (capped at output_len)
     attention_backend: str = "auto"
+    kv_cache_dtype: str = "auto"
     dtype: str = "auto"
     device: str = "auto"
     max_num_batched_tokens: int = 8192
@@ -162,6 +167,7 @@ def engine_args(cfg: BenchConfig, plain: bool = False) -> dict[str, Any]:
         device=cfg.device,
         skip_tokenizer_init=True,
         attention_backend=cfg.attention_backend,
+        kv_cache_dtype=cfg.kv_cache_dtype,
         gpu_memory_utilization=0.6,  # leaves room for the reference run in the same process
         max_num_seqs=cfg.concurrency,
         max_num_batched_tokens=cfg.max_num_batched_tokens,
@@ -380,13 +386,14 @@ def bench(cfg: BenchConfig) -> dict[str, Any]:
     engine = LLMEngine(cfg.model, **engine_args(cfg))
     mc = engine.model_config
     loops = cfg.num_loops or mc.num_loops
-    roof = Roofline.from_checkpoint(cfg.model, mc, engine.dtype, loops, bandwidth=cfg.peak_bandwidth,
-                                    flops=cfg.peak_flops)  # fmt: skip
+    roof = Roofline.from_checkpoint(cfg.model, mc, engine.dtype, loops, kv_dtype=engine.runner.kv.dtype,
+                                    bandwidth=cfg.peak_bandwidth, flops=cfg.peak_flops)  # fmt: skip
     runs, depth = measure(engine, cfg, cfg.exit_threshold)
     backend = engine.runner.backend
     result: dict[str, Any] = {
         "config": asdict(cfg),
-        "model": {"type": mc.model_type, "params": roof.total_params, "loops": loops, "dtype": str(engine.dtype)},
+        "model": {"type": mc.model_type, "params": roof.total_params, "loops": loops, "dtype": str(engine.dtype),
+                  "kv_dtype": str(engine.runner.kv.dtype)},
         "device": str(engine.device),
         "backend": {"name": backend.name, "reason": backend.reason, "kernel": getattr(backend, "kernel", backend.name)},
         "roofline": asdict(roof),
@@ -469,7 +476,8 @@ def render(res: dict[str, Any]) -> str:
     lines = [
         (
             f"model {cfg['model']}: {res['model']['type']}, {res['model']['params'] / 1e6:.1f}M params, "
-            f"{res['model']['loops']} loops, {res['model']['dtype']}, device {res['device']}"
+            f"{res['model']['loops']} loops, {res['model']['dtype']}, KV {res['model'].get('kv_dtype', 'same')}, "
+            f"device {res['device']}"
         ),
         f"attention backend {b['name']} [{b['kernel']}] ({b['reason']})",
         (

@@ -88,7 +88,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
 def _add_tools(sub: Any) -> None:
     """make-random-checkpoint and bench: measure serving speed with nothing downloaded."""
     from rlt_serve.bench import H200_BANDWIDTH, H200_BF16_FLOPS
-    from rlt_serve.config import ATTENTION_BACKENDS
+    from rlt_serve.config import ATTENTION_BACKENDS, KV_CACHE_DTYPES
     from rlt_serve.testing import SHAPES
 
     rnd = sub.add_parser("make-random-checkpoint", help="write a full-size random-weight checkpoint to DIR")
@@ -114,6 +114,8 @@ def _add_tools(sub: Any) -> None:
     b.add_argument("--runs", type=int, default=3, help="measured runs (the table shows the median)")
     b.add_argument("--warmup", type=int, default=1, help="unmeasured runs first")
     b.add_argument("--attention-backend", default="auto", choices=ATTENTION_BACKENDS)
+    b.add_argument("--kv-cache-dtype", default="auto", choices=list(KV_CACHE_DTYPES),
+                   help="K/V storage: the model dtype, or fp8 (e4m3; or fp8_e5m2) at half the bytes")
     b.add_argument("--dtype", default="auto")
     b.add_argument("--device", default="auto")
     b.add_argument("--max-num-batched-tokens", type=int, default=8192)

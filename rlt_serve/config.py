@@ -73,6 +73,18 @@ def parse_dtype(dtype: str | torch.dtype | None, default: str = "float32") -> to
     return _DTYPES[name]
 
 
+# vLLM's --kv-cache-dtype names. fp8 K/V is stored with a scale of 1.0 (vLLM's default when a
+# checkpoint carries no calibrated k/v scales): e4m3 keeps |x| <= 448 (saturating) with 3 mantissa bits.
+KV_CACHE_DTYPES = {"auto": None, "fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
+
+
+def parse_kv_cache_dtype(name: str, model_dtype: torch.dtype) -> torch.dtype:
+    """The KV pool's storage dtype: the model dtype for `auto`, else the named 8-bit float."""
+    if name not in KV_CACHE_DTYPES:
+        raise ConfigError(f"kv_cache_dtype={name!r} is not supported; choose from {tuple(KV_CACHE_DTYPES)}")
+    return KV_CACHE_DTYPES[name] or model_dtype
+
+
 def _ids(value: Any) -> list[int]:
     if value is None:
         return []
@@ -299,6 +311,9 @@ class EngineConfig:
     speculative_draft_depth: int = 1  # loops a draft token runs before it is sampled
     speculative_adaptive: bool = False  # choose K (<= num_speculative_tokens) and depth online
     attention_backend: str = "auto"
+    # K/V storage: "auto" (the model dtype) or fp8 ("fp8" = "fp8_e4m3", "fp8_e5m2"): half the KV
+    # bytes to read per decode step and twice the tokens per pool, at 8-bit precision of K and V.
+    kv_cache_dtype: str = "auto"
     # A fixed-depth decode token runs every loop in one step: no other row needs it mid-depth, and
     # a whole token is one CUDA graph replay and one host read instead of one per loop.
     fuse_decode_loops: bool = True
@@ -316,6 +331,10 @@ class EngineConfig:
         if self.attention_backend not in ATTENTION_BACKENDS:
             raise ConfigError(
                 f"attention_backend={self.attention_backend!r} is not available; choose from {ATTENTION_BACKENDS}"
+            )
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ConfigError(
+                f"kv_cache_dtype={self.kv_cache_dtype!r} is not supported; choose from {tuple(KV_CACHE_DTYPES)}"
             )
         if self.kv_layout == "shared":
             # One slot per core layer, overwritten each loop: a token reads earlier tokens at their

@@ -43,18 +43,28 @@ def rope_cos_sin(
     return emb.cos().to(dtype), emb.sin().to(dtype)
 
 
+def stored_kv(x: torch.Tensor, kv_dtype: torch.dtype | None) -> torch.Tensor:
+    """K or V as a cache of `kv_dtype` gives it back (rounded to that dtype, read as x's); None: x."""
+    return x if kv_dtype is None or kv_dtype == x.dtype else x.to(kv_dtype).to(x.dtype)
+
+
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
     half = x.shape[-1] // 2
     return torch.cat([-x[..., half:], x[..., :half]], dim=-1)
 
 
 class ReferenceModel:
-    """Ouro or Nanbeige4.2 as plain tensor math over a weight dict."""
+    """Ouro or Nanbeige4.2 as plain tensor math over a weight dict. `kv_dtype`: attention reads
+    K/V rounded to that storage dtype (the engine's `kv_cache_dtype`), every key its own included."""
 
-    def __init__(self, config: ModelConfig, weights: dict[str, torch.Tensor], dtype: torch.dtype) -> None:
+    def __init__(
+        self, config: ModelConfig, weights: dict[str, torch.Tensor], dtype: torch.dtype,
+        kv_dtype: torch.dtype | None = None,
+    ) -> None:  # fmt: skip
         self.config = config
         self.weights = weights
         self.dtype = dtype
+        self.kv_dtype = kv_dtype
 
     @classmethod
     def from_pretrained(
@@ -104,7 +114,8 @@ class ReferenceModel:
         k = F.linear(x, w[p + "k_proj.weight"]).view(s, cfg.num_key_value_heads, d).transpose(0, 1)
         v = F.linear(x, w[p + "v_proj.weight"]).view(s, cfg.num_key_value_heads, d).transpose(0, 1)
         q = q * cos + rotate_half(q) * sin
-        k = k * cos + rotate_half(k) * sin
+        k = stored_kv(k * cos + rotate_half(k) * sin, self.kv_dtype)
+        v = stored_kv(v, self.kv_dtype)
         group = cfg.num_attention_heads // cfg.num_key_value_heads
         k = k.repeat_interleave(group, dim=0)  # query head h reads kv head h // group
         v = v.repeat_interleave(group, dim=0)
@@ -220,7 +231,8 @@ class ReferenceModel:
                     k = F.linear(x, w[p + "self_attn.k_proj.weight"]).view(1, cfg.num_key_value_heads, d).transpose(0, 1)
                     v = F.linear(x, w[p + "self_attn.v_proj.weight"]).view(1, cfg.num_key_value_heads, d).transpose(0, 1)
                     q_ = q_ * cos + rotate_half(q_) * sin
-                    k = k * cos + rotate_half(k) * sin
+                    k = stored_kv(k * cos + rotate_half(k) * sin, self.kv_dtype)
+                    v = stored_kv(v, self.kv_dtype)
                     own[i].append((k, v))
                     ks, vs = cache[i][0 if shared else u]
                     keys = torch.cat(ks + [k], dim=1).repeat_interleave(group, dim=0)

@@ -22,6 +22,7 @@ import torch.nn.functional as F
 
 from rlt_serve.config import ConfigError, ModelConfig, compress_ring
 from rlt_serve.loader import load_state_dict
+from rlt_serve.reference import stored_kv
 
 _MASK64 = (1 << 64) - 1
 KV = tuple[torch.Tensor, torch.Tensor]  # [H, d] key and value of one position
@@ -51,8 +52,12 @@ class Generation:
 
 
 class HuginnReference:
-    def __init__(self, config: ModelConfig, weights: dict[str, torch.Tensor], dtype: torch.dtype) -> None:
+    def __init__(
+        self, config: ModelConfig, weights: dict[str, torch.Tensor], dtype: torch.dtype,
+        kv_dtype: torch.dtype | None = None,
+    ) -> None:  # fmt: skip
         self.config, self.w, self.dtype = config, weights, dtype
+        self.kv_dtype = kv_dtype  # as ReferenceModel's: K/V read back from a cache of this dtype
         c = config
         self.inv_freq = 1.0 / c.rope_theta ** (torch.arange(0, c.head_dim, 2, dtype=torch.float32) / c.head_dim)
 
@@ -98,7 +103,7 @@ class HuginnReference:
         q, k, v = F.linear(x, self.w[p + "attn.Wqkv.weight"]).view(x.shape[0], 3, c.num_attention_heads, c.head_dim).unbind(1)
         if c.qk_bias:  # added before RoPE
             q, k = q + self.w[p + "attn.qk_bias"][0, 0], k + self.w[p + "attn.qk_bias"][1, 0]
-        return self._rope(q, positions), self._rope(k, positions), v
+        return self._rope(q, positions), stored_kv(self._rope(k, positions), self.kv_dtype), stored_kv(v, self.kv_dtype)
 
     def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool) -> torch.Tensor:
         """q [Sq, H, d] against k, v [Sk, H, d]; with `causal`, query i sees keys <= i + Sk - Sq."""

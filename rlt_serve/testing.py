@@ -423,10 +423,12 @@ def random_attention_call(
     depth_slots: int = 3,
     dtype: torch.dtype = torch.float32,
     device: torch.device | str = "cpu",
+    kv_dtype: torch.dtype | None = None,
 ):
-    """One core call's attention inputs for comparing backends: two identical KV pools with random
-    contents (layer 1 has `depth_slots` planes), rows (num_query, start) at random depths over
-    shuffled pages, q/k/v and, if `masked`, a random write mask. Returns (pools, rows, qkv, mask)."""
+    """One core call's attention inputs for comparing backends: two identical KV pools of
+    `kv_dtype` (default `dtype`) with random contents (layer 1 has `depth_slots` planes), rows
+    (num_query, start) at random depths over shuffled pages, q/k/v and, if `masked`, a random
+    write mask. Returns (pools, rows, qkv, mask)."""
     from rlt_serve.attention.backend import RowSpec
     from rlt_serve.engine.kv_cache import KVCache
 
@@ -434,9 +436,13 @@ def random_attention_call(
     rng, gen = random.Random(seed), torch.Generator(device=device).manual_seed(seed)
     if num_pages is None:
         num_pages = sum(-(-(s + n) // page_size) for n, s in spans) + 8
-    pools = [KVCache([1, depth_slots, 1], num_pages, page_size, kv_heads, head_dim, dtype, device) for _ in range(2)]
-    pools[0].k.normal_(generator=gen)
-    pools[0].v.normal_(generator=gen)
+    kv_dtype = kv_dtype or dtype
+    pools = [KVCache([1, depth_slots, 1], num_pages, page_size, kv_heads, head_dim, kv_dtype, device) for _ in range(2)]
+    for t in (pools[0].k, pools[0].v):  # normal_ has no float8 kernel: float8 draws in fp32, then rounds
+        if kv_dtype.itemsize == 1:
+            t.copy_(torch.randn(t.shape, generator=gen, device=device).to(kv_dtype))
+        else:
+            t.normal_(generator=gen)
     pools[1].k.copy_(pools[0].k)
     pools[1].v.copy_(pools[0].v)
     free = list(range(num_pages))

@@ -344,7 +344,7 @@ class WorkerPool:
             theirs = {k: v for k, v in o.layout.items() if k != "num_pages"}
             if theirs != shape:
                 return (f"its KV layout {shape} differs from worker {o.worker_id}'s {theirs} "
-                        "(same model, dtype and page size needed)")  # fmt: skip
+                        "(same model, dtype, kv_cache_dtype and page size needed)")  # fmt: skip
         return None
 
     def send_shutdown(self, worker_id: str, reason: str) -> None:

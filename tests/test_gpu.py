@@ -73,6 +73,27 @@ def test_backend_call_matches_torch(backend, dtype, heads, kv_heads, head_dim, p
     assert torch.equal(pools[0].k, pools[1].k) and torch.equal(pools[0].v, pools[1].v), "KV writes differ"
 
 
+@pytest.mark.parametrize("kv_dtype", [torch.float8_e4m3fn, torch.float8_e5m2], ids=["e4m3", "e5m2"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("heads,kv_heads,head_dim,page_size", [(16, 16, 128, 16), (48, 8, 128, 16), (6, 2, 96, 1)])
+@pytest.mark.parametrize("spans", [SPANS, DECODE], ids=["mixed", "decode"])
+def test_triton_fp8_kv_call_matches_torch(kv_dtype, dtype, heads, kv_heads, head_dim, page_size, spans):
+    """Float8 pools: the Triton write rounds exactly as torch's cast (bit-equal pools), and the
+    kernels' upcast reads give the torch backend's output."""
+    _need("triton", dtype)
+    pools, rows, (q, k, v), mask = random_attention_call(
+        heads, kv_heads, head_dim, page_size, spans, 0, True, num_pages=2000 // page_size + len(spans) + 2,
+        depth_slots=4, dtype=dtype, device=CUDA, kv_dtype=kv_dtype,
+    )
+    ref = get_attention_backend("torch", CUDA, dtype, page_size, kv_dtype=kv_dtype)
+    tri = get_attention_backend("triton", CUDA, dtype, page_size, kv_dtype=kv_dtype)
+    want = ref.forward(q, k, v, pools[0], 1, ref.prepare(rows, pools[0], mask), head_dim**-0.5)
+    got = tri.forward(q, k, v, pools[1], 1, tri.prepare(rows, pools[1], mask), head_dim**-0.5)
+    tol = 1e-4 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(got.float(), want.float(), atol=tol, rtol=tol)
+    assert torch.equal(pools[0].raw_k, pools[1].raw_k) and torch.equal(pools[0].raw_v, pools[1].raw_v), "KV writes differ"
+
+
 # -- whole engine, float32 greedy against the reference ---------------------------------------
 SHAPES = {
     "ouro": {"num_attention_heads": 4, "num_key_value_heads": 4, "head_dim": 128},
@@ -96,21 +117,31 @@ def _workload(vocab: int, seed: str, n: int = 32, **params) -> list[dict]:
     return requests
 
 
-def _engine(path: str, backend: str, dtype: str, page_size: int, chunk: int, budget: int, pages: int | None):
+def _engine(path: str, backend: str, dtype: str, page_size: int, chunk: int, budget: int, pages: int | None,
+            kv_cache_dtype: str = "auto"):  # fmt: skip
     return LLMEngine(path, dtype=dtype, device="cuda", skip_tokenizer_init=True, attention_backend=backend,
                      page_size=page_size, long_prefill_token_threshold=chunk, max_num_batched_tokens=budget,
-                     num_kv_pages=pages or 4096 // page_size, max_num_seqs=16)  # fmt: skip
+                     num_kv_pages=pages or 4096 // page_size, max_num_seqs=16, kv_cache_dtype=kv_cache_dtype)  # fmt: skip
 
 
-@pytest.mark.parametrize("backend", ["torch", "triton"])
-@pytest.mark.parametrize("family", ["ouro", "nanbeige"])
-@pytest.mark.parametrize("page_size,chunk,budget,pages", CONFIGS)
-def test_engine_fp32_greedy_matches_reference(tmp_checkpoint, backend, family, page_size, chunk, budget, pages):
+FP8_CASES = [("torch", "ouro", "fp8", CONFIGS[0]), ("triton", "ouro", "fp8", CONFIGS[0]),
+             ("triton", "ouro", "fp8_e5m2", CONFIGS[2]), ("triton", "nanbeige", "fp8", CONFIGS[1])]
+
+
+@pytest.mark.parametrize(
+    "backend,family,kv_cache_dtype,config",
+    [(b, f, "auto", c) for b in ("torch", "triton") for f in ("ouro", "nanbeige") for c in CONFIGS] + FP8_CASES,
+)
+def test_engine_fp32_greedy_matches_reference(tmp_checkpoint, backend, family, kv_cache_dtype, config):
+    """With float8 KV the reference rounds K/V the same way (ReferenceModel(kv_dtype=...))."""
+    page_size, chunk, budget, pages = config
     _need(backend, torch.float32)
     path = tmp_checkpoint(family, seed=7, **SHAPES[family])
     ref = ReferenceModel.from_pretrained(path)
+    if kv_cache_dtype != "auto":
+        ref.kv_dtype = {"fp8": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}[kv_cache_dtype]
     requests = _workload(ref.config.vocab_size, f"{family}-{page_size}-{chunk}", logprobs=1)
-    engine = _engine(path, backend, "float32", page_size, chunk, budget, pages)
+    engine = _engine(path, backend, "float32", page_size, chunk, budget, pages, kv_cache_dtype)
     finished = _drive(engine, requests, random.Random(0))
     assert engine.num_free_pages == engine.num_pages, "pages leaked"
     compared = 0
@@ -129,8 +160,8 @@ def test_engine_fp32_greedy_matches_reference(tmp_checkpoint, backend, family, p
 
 
 # -- whole engine, bf16 against the torch backend ---------------------------------------------
-def _logprob_runs(path: str, backend: str, requests: list[dict]) -> dict[str, tuple]:
-    engine = _engine(path, backend, "bfloat16", 16, 64, 128, None)
+def _logprob_runs(path: str, backend: str, requests: list[dict], kv_cache_dtype: str = "auto") -> dict[str, tuple]:
+    engine = _engine(path, backend, "bfloat16", 16, 64, 128, None, kv_cache_dtype)
     finished = _drive(engine, requests, random.Random(0))
     out = {}
     for r in requests:
@@ -143,13 +174,18 @@ def _logprob_runs(path: str, backend: str, requests: list[dict]) -> dict[str, tu
     return out
 
 
-@pytest.mark.parametrize("backend", ["triton", "flash-attn"])
+@pytest.mark.parametrize(
+    "backend,kv_cache_dtype", [("triton", "auto"), ("flash-attn", "auto"), ("triton", "fp8"), ("triton", "fp8_e5m2")]
+)
 @pytest.mark.parametrize("family", ["ouro", "nanbeige"])
-def test_engine_bf16_logprobs_match_torch(tmp_checkpoint, backend, family):
+def test_engine_bf16_logprobs_match_torch(tmp_checkpoint, backend, kv_cache_dtype, family):
+    """float8 KV: the Triton path (qkv GEMV epilogue writing float8, CUDA graphs) against the torch
+    backend's torch-cast K/V."""
     _need(backend, torch.bfloat16)
     path = tmp_checkpoint(family, seed=7, dtype="bfloat16", **SHAPES[family])
     requests = _workload(384, f"bf16-{family}", n=24, logprobs=1, prompt_logprobs=1)
-    want, got = _logprob_runs(path, "torch", requests), _logprob_runs(path, backend, requests)
+    want = _logprob_runs(path, "torch", requests, kv_cache_dtype)
+    got = _logprob_runs(path, backend, requests, kv_cache_dtype)
     assert want.keys() == got.keys() and len(want) >= 12
     for rid, (prompt, tokens, logprobs) in want.items():
         g_prompt, g_tokens, g_logprobs = got[rid]
@@ -178,15 +214,17 @@ def _steady_decode(path: str, dtype: str, concurrency: int, params: dict | None 
     return out, engine
 
 
-@pytest.mark.parametrize("family", ["ouro", "nanbeige", "huginn"])
-@pytest.mark.parametrize("concurrency", [1, 8, 32])
-def test_cuda_graph_decode_matches_eager(tmp_checkpoint, family, concurrency):
+@pytest.mark.parametrize(
+    "family,concurrency,kv_cache_dtype",
+    [(f, c, "auto") for f in ("ouro", "nanbeige", "huginn") for c in (1, 8, 32)] + [("ouro", 8, "fp8"), ("huginn", 8, "fp8")],
+)
+def test_cuda_graph_decode_matches_eager(tmp_checkpoint, family, concurrency, kv_cache_dtype):
     """Graph replays give the eager fused step's tokens and logprobs, and (over a workload with
     arrivals and finishes) at least 95% of decode steps replay a graph."""
     _need("triton", torch.float32)
     path = tmp_checkpoint(family, seed=7, **SHAPES.get(family, {}))
-    graphed, engine = _steady_decode(path, "float32", concurrency)
-    eager, _ = _steady_decode(path, "float32", concurrency, enforce_eager=True)
+    graphed, engine = _steady_decode(path, "float32", concurrency, kv_cache_dtype=kv_cache_dtype)
+    eager, _ = _steady_decode(path, "float32", concurrency, enforce_eager=True, kv_cache_dtype=kv_cache_dtype)
     st = engine.stats()
     assert engine.runner.graphs is not None
     assert st.num_cuda_graph_replays >= 0.95 * st.num_fused_decode_steps > 0
@@ -198,7 +236,9 @@ def test_cuda_graph_decode_matches_eager(tmp_checkpoint, family, concurrency):
 
 @pytest.mark.parametrize("family,mode", [
     ("ouro", dict(kv_layout="last_exited")), ("ouro", dict(kv_layout="last_exited", async_exit=True)),
+    ("ouro", dict(kv_layout="last_exited", kv_cache_dtype="fp8")),
     ("ouro", dict(num_speculative_tokens=4, speculative_draft_depth=2)),
+    ("ouro", dict(num_speculative_tokens=2, speculative_draft_depth=2, kv_cache_dtype="fp8")),
     ("nanbeige", dict(num_speculative_tokens=2, speculative_draft_depth=1)),
     ("huginn", dict(num_speculative_tokens=2, speculative_draft_depth=2)),
 ])  # fmt: skip

@@ -173,15 +173,21 @@ def test_regions_merge_runs_and_check_layouts():
                                                           (1, (20 + 7) * 64, 64), (1, (20 + 8) * 64, 64)]
     with pytest.raises(ValueError, match="incompatible"):
         kv_regions(la, KVLayout(2, 10, 32, 16), [0], [0])
+    e4m3 = KVLayout.of(torch.zeros(2, 10, 4, 2, 8, dtype=torch.float8_e4m3fn))
+    e5m2 = KVLayout.of(torch.zeros(2, 10, 4, 2, 8, dtype=torch.float8_e5m2))
+    assert e4m3.page_bytes == e5m2.page_bytes
+    with pytest.raises(ValueError, match="kv_cache_dtype"):  # same bytes, different numbers
+        kv_regions(e4m3, e5m2, [0], [0])
     with pytest.raises(ValueError, match="out of range"):
         kv_regions(la, lb, [10], [0])
     with pytest.raises(ValueError, match="--kv-transport"):
         make_agent("tcp", "x", [])
 
 
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8"])
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
 @pytest.mark.parametrize("kind", _transports())
-def test_engine_handoff_over_transport(kind, device, tmp_checkpoint):
+def test_engine_handoff_over_transport(kind, device, kv_cache_dtype, tmp_checkpoint):
     """Two engines joined by real agents: chunks pushed as reported, committed on notification,
     released on ack; outputs equal one engine and every page, slot and handle comes back. On a GPU
     the agents register device memory (NIXL VRAM)."""
@@ -191,7 +197,7 @@ def test_engine_handoff_over_transport(kind, device, tmp_checkpoint):
 
     path = tmp_checkpoint("ouro", seed=3)
     kw = dict(dtype="float32", device=device, skip_tokenizer_init=True, page_size=4, num_kv_pages=96,
-              max_num_batched_tokens=16, long_prefill_token_threshold=6)
+              max_num_batched_tokens=16, long_prefill_token_threshold=6, kv_cache_dtype=kv_cache_dtype)
     prompts = [[(7 * i + j) % 300 + 3 for j in range(5 + 4 * i)] for i in range(5)]
     params = [SamplingParams(temperature=0.0 if i % 2 else 0.8, max_tokens=5, ignore_eos=True, seed=i) for i in range(5)]
     single = LLMEngine(path, **kw)

@@ -87,8 +87,8 @@ def copy_chunk(src: LLMEngine, dst: LLMEngine, chunk: KVChunk, res: Reservation)
     dst_pages = res.page_ids[chunk.first_page : chunk.first_page + len(chunk.page_ids)]
     s = torch.tensor(chunk.page_ids, dtype=torch.long)
     d = torch.tensor(dst_pages, dtype=torch.long)
-    dst.runner.kv.k[:, d] = src.runner.kv.k[:, s]
-    dst.runner.kv.v[:, d] = src.runner.kv.v[:, s]
+    dst.runner.kv.raw_k[:, d] = src.runner.kv.raw_k[:, s]  # stored bytes, any kv_cache_dtype
+    dst.runner.kv.raw_v[:, d] = src.runner.kv.raw_v[:, s]
 
 
 class PD:
@@ -169,6 +169,8 @@ CASES = [
     ("huginn", {}),
     ("huginn", dict(enable_prefix_caching=False, long_prefill_token_threshold=3)),
     ("huginn", dict(huginn_cache="compress-s2", long_prefill_token_threshold=1, enable_wavefront_prefill=False)),
+    ("ouro", dict(kv_cache_dtype="fp8")),
+    ("huginn", dict(kv_cache_dtype="fp8_e5m2")),
 ]
 
 

@@ -69,14 +69,55 @@ def test_triton_matches_torch(heads, kv_heads, head_dim, page_size, spans, maske
     assert torch.equal(kv_tri.k, kv_ref.k) and torch.equal(kv_tri.v, kv_ref.v), "KV writes differ"
 
 
+@pytest.mark.parametrize("kv_dtype", [torch.float8_e4m3fn, torch.float8_e5m2], ids=["e4m3", "e5m2"])
+@pytest.mark.parametrize("heads,kv_heads,spans,decode_mha", [(6, 2, MIXED, False), (4, 4, DECODE_ONLY, True)])
+def test_triton_matches_torch_fp8_kv(kv_dtype, heads, kv_heads, spans, decode_mha):
+    """Float8 pools: the kernels' write rounds as torch's cast does, and their reads upcast alike."""
+    (kv_ref, kv_tri), rows, (q, k, v), mask = _random_call(heads, kv_heads, 24, 16, spans, 1, True)
+    (kv_ref, kv_tri), _, _, _ = random_attention_call(heads, kv_heads, 24, 16, spans, 1, True,
+                                                      num_pages=160 // 16 + 8, kv_dtype=kv_dtype)  # fmt: skip
+    ref, tri = TorchAttentionBackend(), TritonAttentionBackend()
+    tri.decode_mha = decode_mha
+    tri.split_target, tri.min_split_keys, tri.max_splits = 10**6, 16, 3
+    want = ref.forward(q, k, v, kv_ref, 1, ref.prepare(rows, kv_ref, mask), 24**-0.5)
+    got = tri.forward(q, k, v, kv_tri, 1, tri.prepare(rows, kv_tri, mask), 24**-0.5)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    assert torch.equal(kv_tri.raw_k, kv_ref.raw_k) and torch.equal(kv_tri.raw_v, kv_ref.raw_v), "KV writes differ"
+    assert kv_tri.k.float().abs().sum() > 0
+
+
+@pytest.mark.parametrize("kv_dtype", [torch.float8_e4m3fn, torch.float8_e5m2], ids=["e4m3", "e5m2"])
+@pytest.mark.parametrize("splits", [1, 3], ids=["whole", "split-kv"])
+def test_fp8_bit_operands_match_torch(kv_dtype, splits):
+    """A 16-bit q with float8 K/V: the tiled kernel moves K/V bits into fp16 operands (scaled back
+    exactly), against the torch backend's upcast reads. Subnormal and saturated values included."""
+    (kv_ref, kv_tri), rows, (q, k, v), mask = random_attention_call(6, 2, 24, 16, MIXED, 2, True, num_pages=18,
+                                                                    kv_dtype=kv_dtype)  # fmt: skip
+    for pool in (kv_ref, kv_tri):  # scale some values into float8's subnormal and saturating ranges
+        pool.k[..., :3] = (pool.k[..., :3].float() * 1e-3).to(kv_dtype)
+        pool.v[..., -2:] = (pool.v[..., -2:].float() * 300).to(kv_dtype)
+    q, k, v = (x.half() for x in (q, k, v))
+    ref, tri = TorchAttentionBackend(), TritonAttentionBackend()
+    assert tri.kv_bits(kv_dtype, q.dtype) != 0
+    tri.split_target, tri.min_split_keys, tri.max_splits = 10**6, 16, splits
+    # The oracle: exact float32 attention over the stored values (fp16 k/v are exact in fp32).
+    want = ref.forward(q.float(), k.float(), v.float(), kv_ref, 1, ref.prepare(rows, kv_ref, mask), 24**-0.5)
+    got = tri.forward(q, k, v, kv_tri, 1, tri.prepare(rows, kv_tri, mask), 24**-0.5).float()
+    err = (got - want).abs()
+    # fp16 p and output: relative 2^-10 of the largest |v| a column can average (about 1 or 300 here).
+    bound = 2e-3 * kv_ref.v.float().abs().amax(dim=(0, 1, 2, 3)) + 1e-3
+    assert (err <= bound).all(), (err / bound).max()
+    assert torch.equal(kv_tri.raw_k, kv_ref.raw_k) and torch.equal(kv_tri.raw_v, kv_ref.raw_v), "KV writes differ"
+
+
 def test_auto_stays_torch_on_cpu_even_when_interpreting():
     assert get_attention_backend("auto", torch.device("cpu")).name == "torch"
     assert get_attention_backend("triton", torch.device("cpu")).name == "triton"
 
 
-def _greedy(path: str, backend: str, loops: tuple = (4, 2, 3)) -> dict[str, tuple[list[int], list[float]]]:
+def _greedy(path: str, backend: str, loops: tuple = (4, 2, 3), **kw) -> dict[str, tuple[list[int], list[float]]]:
     engine = LLMEngine(path, dtype="float32", device="cpu", skip_tokenizer_init=True, attention_backend=backend,
-                       page_size=4, long_prefill_token_threshold=5, max_num_batched_tokens=12, max_loops=4)  # fmt: skip
+                       page_size=4, long_prefill_token_threshold=5, max_num_batched_tokens=12, max_loops=4, **kw)  # fmt: skip
     rng = random.Random(1)
     for i, n in enumerate(loops):
         prompt = [rng.randrange(3, 384) for _ in range(rng.randint(1, 12))]
@@ -99,8 +140,8 @@ def test_engine_greedy_triton_matches_torch(tmp_checkpoint):
         assert max(abs(a - b) for a, b in zip(got[rid][1], logprobs)) < 1e-4
 
 
-@pytest.mark.parametrize("family", ["ouro", "nanbeige"])
-def test_engine_fused_projections_match_torch(tmp_checkpoint, monkeypatch, family):
+@pytest.mark.parametrize("family,kv_cache_dtype", [("ouro", "auto"), ("nanbeige", "auto"), ("ouro", "fp8")])
+def test_engine_fused_projections_match_torch(tmp_checkpoint, monkeypatch, family, kv_cache_dtype):
     """The decode GEMV forced onto the CPU (RLT_GEMV=interpret), RoPE plus the K/V write in the
     qkv epilogue (on by default). Chunked prompts, mixed depths and decode equal the torch
     backend's, and the fused path actually ran."""
@@ -108,7 +149,7 @@ def test_engine_fused_projections_match_torch(tmp_checkpoint, monkeypatch, famil
 
     path = tmp_checkpoint(family, seed=4, num_attention_heads=4, num_key_value_heads=2, head_dim=16)
     loops = (4, 2, 3) if family == "ouro" else (None, None, None)  # Nanbeige runs a fixed depth
-    want = _greedy(path, "torch", loops)
+    want = _greedy(path, "torch", loops, kv_cache_dtype=kv_cache_dtype)
     calls = {"gemv": 0, "epilogue": 0, "kv": 0}
     launch = gemv.gemv
 
@@ -120,7 +161,7 @@ def test_engine_fused_projections_match_torch(tmp_checkpoint, monkeypatch, famil
 
     monkeypatch.setattr(gemv, "gemv", counting)
     monkeypatch.setenv("RLT_GEMV", "interpret")
-    got = _greedy(path, "triton", loops)
+    got = _greedy(path, "triton", loops, kv_cache_dtype=kv_cache_dtype)
     assert min(calls.values()) > 0, calls
     assert got.keys() == want.keys()
     for rid, (tokens, logprobs) in want.items():

@@ -63,7 +63,7 @@ class PeerInfo(msgspec.Struct, tag="peer_info"):
     role: Role
     transport: str
     metadata: bytes
-    layout: dict[str, int] = {}  # workers.transfer.regions.KVLayout fields: how to address its KV
+    layout: dict[str, int | str] = {}  # workers.transfer.regions.KVLayout fields: how to address its KV
 
 
 class PeerTable(msgspec.Struct, tag="peer_table"):

@@ -386,7 +386,7 @@ def _make_agent(kind: str, worker_id: str, engine: Any, timeout_s: float, host: 
     return make_agent(kind, worker_id, buffers, timeout_s=timeout_s, **({"host": host} if host else {}))
 
 
-def _layout(engine: Any) -> dict[str, int]:
+def _layout(engine: Any) -> dict[str, int | str]:
     from workers.transfer.regions import KVLayout
 
     lay = KVLayout.of(engine.runner.kv.k, engine.handoff.state_buffer)

@@ -113,10 +113,17 @@ class AttentionBackend(ABC):
         ...
 
 
-def _missing(name: str, device: torch.device, dtype: torch.dtype | None) -> str | None:
-    """None when backend `name` can run for this device and dtype, else what is missing."""
+def _missing(
+    name: str, device: torch.device, dtype: torch.dtype | None, kv_dtype: torch.dtype | None = None
+) -> str | None:
+    """None when backend `name` can run for this device, dtype and KV storage dtype, else what is missing."""
+    fp8 = kv_dtype is not None and kv_dtype.itemsize == 1
     if name == "torch":
         return None
+    if fp8 and name == "flash-attn":
+        return f"kv_cache_dtype {kv_dtype} is read by the torch and triton backends only (flash-attn takes bf16/fp16 KV)"
+    if fp8 and name == "triton" and device.type == "cuda" and torch.cuda.get_device_capability(device) < (8, 9):
+        return "Triton converts float8 K/V only on compute capability 8.9 or newer (Ada, Hopper)"
     if name == "triton":
         from rlt_serve.attention import triton_backend
 
@@ -132,14 +139,15 @@ def _missing(name: str, device: torch.device, dtype: torch.dtype | None) -> str 
 
 
 def get_attention_backend(
-    name: str, device: torch.device, dtype: torch.dtype | None = None, page_size: int = 16
+    name: str, device: torch.device, dtype: torch.dtype | None = None, page_size: int = 16,
+    kv_dtype: torch.dtype | None = None,
 ) -> AttentionBackend:
     """The backend `name`, or for `auto` the fastest one that is correct here.
 
     `auto`: the torch backend on the CPU. On CUDA the Triton backend when triton imports (it
     reads the paged planes in place at any page size and dtype, float32 included), else
     flash-attn when it can run (fp16/bf16; the package, or torch's own FlashAttention), else
-    torch. The chosen backend's `reason` says why. Asking for a backend that cannot run is a
+    torch (flash-attn never for float8 KV). The chosen backend's `reason` says why. Asking for a backend that cannot run is a
     ConfigError naming what is missing.
     """
     from rlt_serve.attention.torch_backend import TorchAttentionBackend
@@ -147,14 +155,14 @@ def get_attention_backend(
     if name == "auto":
         if device.type != "cuda":
             choice, reason = "torch", "auto: CPU device"
-        elif _missing("triton", device, dtype) is None:
+        elif _missing("triton", device, dtype, kv_dtype) is None:
             choice, reason = "triton", "auto: CUDA and triton imports (paged planes read in place)"
-        elif _missing("flash-attn", device, dtype) is None:
-            choice, reason = "flash-attn", f"auto: triton missing ({_missing('triton', device, dtype)})"
+        elif _missing("flash-attn", device, dtype, kv_dtype) is None:
+            choice, reason = "flash-attn", f"auto: triton missing ({_missing('triton', device, dtype, kv_dtype)})"
         else:
             choice, reason = "torch", "auto: neither triton nor FlashAttention can run here"
     else:
-        missing = _missing(name, device, dtype)
+        missing = _missing(name, device, dtype, kv_dtype)
         if missing is not None:
             raise ConfigError(f"attention_backend={name!r} cannot run: {missing}")
         choice, reason = name, "asked for"

@@ -6,7 +6,7 @@ so a one-token decode row of a GQA model still fills a matrix-multiply tile). It
 KV plane `plane_base + depth_slot[row]` through the row's page table, gathering page ids per key
 position, so page size 1 and 16 take the same path and rows at different depths share one launch.
 Softmax is online (running max and sum in fp32); head dims that are not a power of two are padded
-and masked. K/V of the new tokens is written first by a small kernel (tokens masked out by
+and masked. Float8 K/V (`kv_cache_dtype`) is upcast to q's dtype as it is loaded. K/V of the new tokens is written first by a small kernel (tokens masked out by
 `write_mask` keep what the cache holds), then every query reads its keys from the cache; or the
 qkv GEMV's epilogue writes them (`kv_write_target`, `forward(..., kv_written=True)`).
 
@@ -29,13 +29,33 @@ import torch
 from rlt_serve.attention.backend import AttentionBackend, AttentionMetadata, KVWriteTarget
 from rlt_serve.engine.kv_cache import KVCache
 from rlt_serve.host_copy import to_device
-from rlt_serve.triton_jit import jit, next_pow2, pdl, triton_missing
+from rlt_serve.triton_jit import device_function, jit, next_pow2, pdl, triton_missing
 
 triton: Any = None  # bound on first launch by rlt_serve.triton_jit.jit
 tl: Any = None
 
 _LOG2E = 1.4426950408889634
 _ROW_FIELDS = 4  # q_start, num_query, start_pos, depth_slot
+# KV_BITS of the attention kernel: how float8 K/V become dot operands (see _kv_operand).
+_AS_Q, _E4M3_BITS, _E5M2_BITS = 0, 1, 2
+_E4M3_SCALE = 256.0  # e4m3's bits read as fp16 give the value times 2^-8
+
+
+@device_function
+def _kv_operand(x, dt, KV_BITS: tl.constexpr):
+    """Loaded K or V as a dot operand. _AS_Q: `x.to(dt)`. For float8 with a 16-bit q the bits are
+    moved into an fp16 instead of converted: e5m2 is the top byte of an fp16 (exact), and e4m3's
+    sign, exponent and mantissa land in an fp16's fields so that the value is x * 2^-8, subnormals
+    included (fp16 holds every e4m3 value exactly); the caller scales the scores and the output
+    back by _E4M3_SCALE. Integer shifts cost less than Triton's float8 conversion sequence."""
+    if KV_BITS == 0:
+        return x.to(dt)
+    b = x.to(tl.uint8, bitcast=True).to(tl.uint16)
+    if KV_BITS == 1:
+        h = ((b & 0x80) << 8) | ((b & 0x7F) << 7)
+    else:
+        h = b << 8
+    return h.to(tl.float16, bitcast=True)
 
 
 def _write_kv_kernel(
@@ -43,7 +63,8 @@ def _write_kv_kernel(
     plane_base, stride_t, stride_plane, stride_slot,
     WIDTH: tl.constexpr, BLOCK: tl.constexpr, HAS_MASK: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
-    """One program per token: copy its `kv_heads * head_dim` K and V values into its plane."""
+    """One program per token: copy its `kv_heads * head_dim` K and V values into its plane, cast
+    to the cache's dtype (float8 storage: round to nearest even, saturating, as torch's cast)."""
     if PDL:
         tl.extra.cuda.gdc_launch_dependents()
         tl.extra.cuda.gdc_wait()
@@ -55,8 +76,9 @@ def _write_kv_kernel(
     plane = (plane_base + tl.load(depth_ptr + t)).to(tl.int64)
     dst = plane * stride_plane + tl.load(slot_ptr + t).to(tl.int64) * stride_slot + offs
     src = t.to(tl.int64) * stride_t + offs
-    tl.store(k_cache + dst, tl.load(k_ptr + src, mask=ok), mask=ok)
-    tl.store(v_cache + dst, tl.load(v_ptr + src, mask=ok), mask=ok)
+    kt = k_cache.dtype.element_ty
+    tl.store(k_cache + dst, tl.load(k_ptr + src, mask=ok).to(kt), mask=ok)
+    tl.store(v_cache + dst, tl.load(v_ptr + src, mask=ok).to(kt), mask=ok)
 
 
 def _attention_kernel(
@@ -67,10 +89,13 @@ def _attention_kernel(
     stride_plane, stride_page, stride_slot, stride_kvh, stride_table,
     GROUP: tl.constexpr, GROUP_P: tl.constexpr, TOK_M: tl.constexpr,
     HEAD_D: tl.constexpr, HEAD_DP: tl.constexpr, BLOCK_N: tl.constexpr,
-    PAGE_SIZE: tl.constexpr, PRECISION: tl.constexpr, SPLIT: tl.constexpr, PDL: tl.constexpr,
+    PAGE_SIZE: tl.constexpr, PRECISION: tl.constexpr, SPLIT: tl.constexpr, KV_BITS: tl.constexpr,
+    V_SCALE: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     """Program (tile, kv_head, split): causal attention of one tile's queries over its row's plane,
-    or (SPLIT) over split `s` of the key blocks, leaving unnormalised partials for the combine."""
+    or (SPLIT) over split `s` of the key blocks, leaving unnormalised partials for the combine.
+    KV_BITS: float8 K/V read as fp16 bit patterns (_kv_operand), q and p in fp16; V_SCALE undoes
+    the operand's power-of-two scale (the scores' is folded into qk_scale by the caller)."""
     if PDL:
         tl.extra.cuda.gdc_launch_dependents()
         tl.extra.cuda.gdc_wait()
@@ -95,6 +120,8 @@ def _attention_kernel(
         mask=m_ok[:, None] & d_ok[None, :],
         other=0.0,
     )
+    if KV_BITS != 0:
+        q = q.to(tl.float16)
     q_pos = start_pos + tok
     kv_end = start_pos + tl.minimum(num_q, q_off + TOK_M)
     lo = 0
@@ -114,7 +141,7 @@ def _attention_kernel(
         page = tl.load(table_ptr + row * stride_table + pos // PAGE_SIZE, mask=n_ok, other=0)
         kv_off = kv_base + page.to(tl.int64) * stride_page + (pos % PAGE_SIZE) * stride_slot
         kt = tl.load(k_cache + kv_off[None, :] + d[:, None], mask=n_ok[None, :] & d_ok[:, None], other=0.0)
-        s = tl.dot(q, kt, input_precision=PRECISION) * qk_scale
+        s = tl.dot(q, _kv_operand(kt, q.dtype, KV_BITS), input_precision=PRECISION) * qk_scale
         s = tl.where((pos[None, :] <= q_pos[:, None]) & n_ok[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a query that sees no key of this block
@@ -122,8 +149,11 @@ def _attention_kernel(
         alpha = tl.exp2(m_i - m_safe)
         l_i = l_i * alpha + tl.sum(p, 1)
         v = tl.load(v_cache + kv_off[:, None] + d[None, :], mask=n_ok[:, None] & d_ok[None, :], other=0.0)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+        pv = tl.dot(p.to(q.dtype), _kv_operand(v, q.dtype, KV_BITS), input_precision=PRECISION)
+        acc = acc * alpha[:, None] + pv
         m_i = m_new
+    if V_SCALE != 1.0:
+        acc = acc * V_SCALE
     if SPLIT:  # partials [splits, T, heads, HEAD_DP] and (max, sum) [splits, T, heads, 2], fp32
         n_heads = tl.num_programs(1) * GROUP
         cell = tl.program_id(2).to(tl.int64) * cells + q_rows * n_heads + head
@@ -191,7 +221,7 @@ def _decode_mha_kernel(
         alpha = tl.exp2(m_i - m_new)
         l_i = l_i * alpha + tl.sum(p, 0)
         v = tl.load(v_cache + kv_off[:, None] + d[None, :], mask=kv_mask, other=0.0)
-        pv = p.to(v.dtype).to(tl.float32)
+        pv = p.to(q.dtype).to(tl.float32)
         acc = acc * alpha + tl.sum(pv[:, None] * v.to(tl.float32), 0)
         m_i = m_new
     if SPLIT:
@@ -274,6 +304,7 @@ class TritonAttentionBackend(AttentionBackend):
     # took 8.3 us per layer at c=1 against the tiled kernel's 6.2 us (profile_decode, 2026-12-03).
     decode_mha = False
     heads_first = True  # its grid order (see the kernel)
+    fp8_bits = True  # float8 K/V into 16-bit dots by bit moves, not conversion (_kv_operand)
     max_splits = 16
     min_split_keys = 64  # one key block: shorter splits cost more in the combine than they save
     split_target: int | None = None  # programs to aim for; None: twice the GPU's multiprocessors
@@ -302,7 +333,6 @@ class TritonAttentionBackend(AttentionBackend):
         """K/V of the call's tokens into their planes (one launch; masked-out tokens skipped)."""
         data: TritonCallData = meta.extra
         k_flat, v_flat = kv.flat(layer)
-        k, v = k.to(k_flat.dtype), v.to(v_flat.dtype)
         if not (_token_rows(k) and _token_rows(v) and k.stride(0) == v.stride(0)):
             k, v = k.contiguous(), v.contiguous()
         width = k.shape[1] * k.shape[2]
@@ -337,7 +367,8 @@ class TritonAttentionBackend(AttentionBackend):
             self.write(k, v, kv, layer, meta)
         t, heads, head_dim = q.shape
         kv_heads = k.shape[1]
-        q = q.to(kv.k.dtype)  # no-op in the engine: q is in the KV dtype
+        if not kv.quantized:  # float8 K/V is read as q's dtype; otherwise q is in the KV dtype already
+            q = q.to(kv.dtype)
         if q.stride(2) != 1:
             q = q.contiguous()
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
@@ -364,19 +395,28 @@ class TritonAttentionBackend(AttentionBackend):
         tiles, num_tiles = data.tiles_for(tok_m, kv.device)
         splits = self.num_splits(num_tiles * kv_heads, data.max_end, kv.device)
         part_acc, part_ml = self._partials(splits, t, heads, head_dp, out)
+        kv_bits = self.kv_bits(kv.dtype, q.dtype)
+        op_scale = _E4M3_SCALE if kv_bits == _E4M3_BITS else 1.0
         jit(_attention_kernel)[(num_tiles, kv_heads, splits)](
             q, out, k_pages, kv.v, data.rows, tiles, data.table,
             part_acc, part_ml, splits, t * heads,
-            kv.plane_base(layer), scale * _LOG2E,
+            kv.plane_base(layer), scale * _LOG2E * op_scale,
             q.stride(0), q.stride(1), out.stride(0), out.stride(1),
             k_pages.stride(0), k_pages.stride(1), k_pages.stride(2), k_pages.stride(3), data.table.stride(0),
             GROUP=group, GROUP_P=group_p, TOK_M=tok_m, HEAD_D=head_dim, HEAD_DP=head_dp,
             BLOCK_N=self.block_n if head_dp <= 64 or block_m <= 16 else self.block_n // 2,
             PAGE_SIZE=kv.page_size, PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-            SPLIT=splits > 1, num_warps=self.num_warps, **pdl(q),
+            SPLIT=splits > 1, KV_BITS=kv_bits, V_SCALE=op_scale, num_warps=self.num_warps, **pdl(q),
             **({} if self.num_stages is None else {"num_stages": self.num_stages}),
         )  # fmt: skip
         return self._combine(out, part_acc, part_ml, splits, t, heads, head_dim, head_dp)
+
+    def kv_bits(self, kv_dtype: torch.dtype, q_dtype: torch.dtype) -> int:
+        """How the tiled kernel takes float8 K/V: as fp16 bit patterns when q is 16-bit (the
+        default, `fp8_bits`), else converted to q's dtype (float32 models: exact dots)."""
+        if kv_dtype.itemsize != 1 or q_dtype == torch.float32 or not self.fp8_bits:
+            return _AS_Q
+        return _E4M3_BITS if kv_dtype == torch.float8_e4m3fn else _E5M2_BITS
 
     @staticmethod
     def _partials(splits: int, t: int, heads: int, head_dp: int, out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

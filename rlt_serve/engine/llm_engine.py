@@ -121,7 +121,8 @@ class LLMEngine:
         self.block_manager = BlockManager(num_pages, cfg.page_size, cfg.enable_prefix_caching)
         self.swap_space = SwapSpace(self.runner.kv, cfg.swap_space_bytes) if cfg.swap_space_bytes else None
         # Pages are shared only between requests computed the same way.
-        salt = f"{os.path.realpath(model)}|{self.dtype}|{cfg.kv_layout}|{cfg.huginn_cache}|{self.runner.max_loops}"
+        r = self.runner
+        salt = f"{os.path.realpath(model)}|{self.dtype}|{r.kv.dtype}|{cfg.kv_layout}|{cfg.huginn_cache}|{r.max_loops}"
         salt = salt.encode()
         self.scheduler = Scheduler(cfg, self.block_manager, self.swap_space, salt, self.max_model_len)
         if cfg.num_speculative_tokens:
@@ -143,14 +144,15 @@ class LLMEngine:
         """How many tokens of KV fit, for the layout chosen: what a user sizes concurrency by."""
         kv, r = self.runner.kv, self.runner
         mc = self.model_config
-        per_token = kv.bytes_per_token(kv.num_planes, mc.num_key_value_heads, mc.head_dim, self.dtype)
+        per_token = kv.bytes_per_token(kv.num_planes, mc.num_key_value_heads, mc.head_dim, kv.dtype)
         layout = self.engine_config.huginn_cache or self.engine_config.kv_layout
         loops = f", one-loop graphs in {r.loop_graphs.capture_seconds:.1f} s" if r.loop_graphs is not None else ""
         graphs = (f"CUDA graphs for decode batch sizes {r.graphs.sizes} ({r.graphs.capture_seconds:.1f} s to capture{loops})"
                   if r.graphs is not None else f"no CUDA graphs ({r.graphs_disabled})")
         return (
             f"KV cache: {kv.num_pages} pages x {kv.page_size} = {kv.num_pages * kv.page_size} tokens "
-            f"({per_token} bytes/token over {kv.num_planes} planes, layout {layout}, "
+            f"({per_token} bytes/token over {kv.num_planes} planes of {str(kv.dtype).removeprefix('torch.')}, "
+            f"layout {layout}, "
             f"{kv.num_pages * kv.page_size * per_token / 2**30:.2f} GiB); max_model_len {self.max_model_len}; {graphs}"
         )
 

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field, fields
 import torch
 
 from rlt_serve.attention import RowSpec, get_attention_backend
-from rlt_serve.config import ConfigError, EngineConfig, ModelConfig, core_ring_slots
+from rlt_serve.config import ConfigError, EngineConfig, ModelConfig, core_ring_slots, parse_kv_cache_dtype
 from rlt_serve.engine.async_step import PendingTokens
 from rlt_serve.engine.cuda_graph import DecodeGraphs, graph_support
 from rlt_serve.engine.loop_graph import LoopGraphs
@@ -85,16 +85,19 @@ class ModelRunner:
         self.ring = core_ring_slots(model_config, engine_config)
         self.fills_deeper_slots = engine_config.kv_layout == "last_exited" or engine_config.huginn_cache == "latest-m4"
         self.slots_per_layer = model.kv_slots_per_layer(self.ring or self.max_loops)
+        self.kv_dtype = parse_kv_cache_dtype(engine_config.kv_cache_dtype, dtype)
         self.kv = KVCache(
             slots_per_layer=self.slots_per_layer,
             num_pages=self._num_pages(),
             page_size=engine_config.page_size,
             kv_heads=model_config.num_key_value_heads,
             head_dim=model_config.head_dim,
-            dtype=dtype,
+            dtype=self.kv_dtype,
             device=device,
         )
-        self.backend = get_attention_backend(engine_config.attention_backend, device, dtype, engine_config.page_size)
+        self.backend = get_attention_backend(
+            engine_config.attention_backend, device, dtype, engine_config.page_size, kv_dtype=self.kv_dtype
+        )
         # Async scheduling: the previous step's sampled tokens, still on the device, that this
         # step's rows take as inputs (set by AsyncStep for the duration of one execute()).
         self.pending: PendingTokens | None = None
@@ -112,7 +115,7 @@ class ModelRunner:
         ec, mc = self.engine_config, self.model_config
         if ec.num_kv_pages is not None:
             return ec.num_kv_pages
-        per_token = KVCache.bytes_per_token(sum(self.slots_per_layer), mc.num_key_value_heads, mc.head_dim, self.dtype)
+        per_token = KVCache.bytes_per_token(sum(self.slots_per_layer), mc.num_key_value_heads, mc.head_dim, self.kv_dtype)
         budget = ec.kv_cache_memory_bytes
         if self.device.type == "cuda":
             free, total = torch.cuda.mem_get_info(self.device)
@@ -353,7 +356,7 @@ class ModelRunner:
         dst = bases[:, None, None] + torch.where(take, depths[:, None], src[None, :])[None]  # [L, E, T]
         src_plane = (bases[:, None] + src[None, :])[:, None, :].expand_as(dst)
         slot = slots.expand_as(dst)
-        k_flat, v_flat = kv.flat(0)
+        k_flat, v_flat = kv.raw_flat()
         k_flat[dst, slot] = k_flat[src_plane, slot]
         v_flat[dst, slot] = v_flat[src_plane, slot]
 

@@ -34,8 +34,8 @@ class SwapSpace:
     def swap_out(self, seq: Sequence) -> None:
         """Copy `seq`'s pages and row state to the host; the caller releases its device pages."""
         idx = torch.tensor(seq.page_table, dtype=torch.long, device=self.kv.device)
-        k = self._to_host(self.kv.k.index_select(1, idx))
-        v = self._to_host(self.kv.v.index_select(1, idx))
+        k = self._to_host(self.kv.raw_k.index_select(1, idx))  # stored values, any KV dtype
+        v = self._to_host(self.kv.raw_v.index_select(1, idx))
         for span in seq.spans:
             span.hidden = self._to_host(span.hidden) if span.hidden is not None else None
             span.injected = self._to_host(span.injected) if span.injected is not None else None
@@ -48,8 +48,8 @@ class SwapSpace:
         """Copy the snapshot into `seq.page_table` (freshly allocated) and free the host copy."""
         state = seq.swapped
         idx = torch.tensor(seq.page_table, dtype=torch.long, device=self.kv.device)
-        self.kv.k.index_copy_(1, idx, state.k.to(self.kv.device, non_blocking=True))
-        self.kv.v.index_copy_(1, idx, state.v.to(self.kv.device, non_blocking=True))
+        self.kv.raw_k.index_copy_(1, idx, state.k.to(self.kv.device, non_blocking=True))
+        self.kv.raw_v.index_copy_(1, idx, state.v.to(self.kv.device, non_blocking=True))
         dev = self.kv.device
         for span in seq.spans:
             span.hidden = span.hidden.to(dev) if span.hidden is not None else None

@@ -29,13 +29,14 @@ class KVLayout(msgspec.Struct, frozen=True):
     num_pages: int
     page_bytes: int  # one page of one plane
     state_bytes: int  # one row of the final-state buffer
+    kv_dtype: str = ""  # e.g. "torch.bfloat16": two 8-bit formats have equal page bytes but differ
 
     @classmethod
     def of(cls, k: torch.Tensor, state: torch.Tensor | None = None) -> "KVLayout":
         planes, pages = k.shape[:2]
         page_bytes = k[0, 0].numel() * k.element_size()
         state_bytes = state[0].numel() * state.element_size() if state is not None else 0
-        return cls(int(planes), int(pages), int(page_bytes), int(state_bytes))
+        return cls(int(planes), int(pages), int(page_bytes), int(state_bytes), str(k.dtype))
 
 
 def _runs(local: list[int], remote: list[int]) -> list[tuple[int, int, int]]:
@@ -56,8 +57,8 @@ def kv_regions(
     """Matching region lists (K then V, plane by plane) moving `local_pages` to `remote_pages`."""
     if len(local_pages) != len(remote_pages):
         raise ValueError(f"{len(local_pages)} local pages vs {len(remote_pages)} remote pages")
-    if (local.num_planes, local.page_bytes) != (remote.num_planes, remote.page_bytes):
-        raise ValueError(f"incompatible KV layouts: {local} vs {remote} (same model, dtype and page_size needed)")
+    if (local.num_planes, local.page_bytes, local.kv_dtype) != (remote.num_planes, remote.page_bytes, remote.kv_dtype):
+        raise ValueError(f"incompatible KV layouts: {local} vs {remote} (same model, dtype, kv_cache_dtype and page_size needed)")
     for pages, lay, side in ((local_pages, local, "local"), (remote_pages, remote, "remote")):
         if any(not 0 <= p < lay.num_pages for p in pages):
             raise ValueError(f"{side} page out of range [0, {lay.num_pages})")
