@@ -63,15 +63,23 @@ def kv_floor_us(tokens: int) -> float:
     return 1e6 * tokens * 2 * KV_HEADS * HEAD_DIM * DT.itemsize / BW
 
 
+Inputs = tuple[list[RowSpec], torch.Tensor, torch.Tensor, torch.Tensor]
+
+
+def shape_inputs(spec: list[tuple[int, int, int]], free: list[int]) -> Inputs:
+    """Rows of one microbench shape (each on its own pages) and random q, k, v for its new tokens."""
+    rows = [RowSpec(n, s, d, free[i * 41 : i * 41 + -(-(s + n) // PAGE)]) for i, (n, s, d) in enumerate(spec)]
+    t = sum(r.num_query for r in rows)
+    q = torch.randn(t, HEADS, HEAD_DIM, device=DEV, dtype=DT)
+    k = torch.randn(t, KV_HEADS, HEAD_DIM, device=DEV, dtype=DT)
+    return rows, q, k, torch.randn_like(k)
+
+
 def main(backends: list[str]) -> None:
     kv, free = paged_cache()
     print(f"{'shape':<24}{'backend':<12}{'us':>9}{'floor us':>10}{'of floor':>9}")
     for name, spec in shapes().items():
-        rows = [RowSpec(n, s, d, free[i * 41 : i * 41 + -(-(s + n) // PAGE)]) for i, (n, s, d) in enumerate(spec)]
-        t = sum(r.num_query for r in rows)
-        q = torch.randn(t, HEADS, HEAD_DIM, device=DEV, dtype=DT)
-        k = torch.randn(t, KV_HEADS, HEAD_DIM, device=DEV, dtype=DT)
-        v = torch.randn_like(k)
+        rows, q, k, v = shape_inputs(spec, free)
         flops = sum(4 * HEADS * HEAD_DIM * r.num_query * (r.start_pos + (r.num_query + 1) / 2) for r in rows)
         floor_us = max(kv_floor_us(sum(r.end_pos for r in rows)), 1e6 * flops / FLOPS)
         for b in backends:
@@ -150,24 +158,21 @@ def fp8() -> None:
     for kv_dtype in (DT, torch.float8_e4m3fn, torch.float8_e5m2):
         kv, free = paged_cache(dtype=kv_dtype)
         for name, spec in shapes().items():
-            rows = [RowSpec(n, s, d, free[i * 41 : i * 41 + -(-(s + n) // PAGE)]) for i, (n, s, d) in enumerate(spec)]
-            t = sum(r.num_query for r in rows)
-            q = torch.randn(t, HEADS, HEAD_DIM, device=DEV, dtype=DT)
-            k = torch.randn(t, KV_HEADS, HEAD_DIM, device=DEV, dtype=DT)
-            v = torch.randn_like(k)
+            rows, q, k, v = shape_inputs(spec, free)
             floor_us = kv_floor_us(sum(r.end_pos for r in rows))
             modes = [True] if kv_dtype == DT else [False, True]
             for bits, block_n, stages in itertools.product(modes, (64, 128), (None, 3)):
                 backend = tuned_backend("tiled", block_n=block_n, num_stages=stages)
                 backend.fp8_bits = bits
                 meta = backend.prepare(rows, kv)
+                label = "bits" if bits and kv_dtype != DT else "convert" if kv_dtype != DT else "-"
+                head = f"{name:<24}{str(kv_dtype)[6:13]:>7}{label:>10}{block_n:>8}{stages!s:>7}"
                 try:
                     us = device_us(lambda b=backend, m=meta: b.forward(q, k, v, kv, 5, m, HEAD_DIM**-0.5))  # noqa: B023
                 except Exception as e:  # out of shared memory / registers for this tile
-                    print(f"{name:<24}{str(kv_dtype)[6:13]:>7}{bits!s:>10}{block_n:>8}{stages!s:>7}  {type(e).__name__}")
+                    print(f"{head}  {type(e).__name__}")
                     continue
-                label = "bits" if bits and kv_dtype != DT else "convert" if kv_dtype != DT else "-"
-                print(f"{name:<24}{str(kv_dtype)[6:13]:>7}{label:>10}{block_n:>8}{stages!s:>7}{us:>9.1f}{floor_us:>14.1f}")
+                print(f"{head}{us:>9.1f}{floor_us:>14.1f}")
 
 
 if __name__ == "__main__":
