@@ -1,6 +1,6 @@
 """Where a decode step's time goes: kernel table (torch.profiler) and host time per step.
 
-    python3 recipes/profile_decode.py CKPT [concurrency ...]
+    [KV_CACHE_DTYPE=fp8] python3 recipes/profile_decode.py CKPT [concurrency ...]
 
 Prefills `concurrency` random 512-token prompts, then profiles 8 steady decode steps. With PDL
 kernels overlap, so summed kernel times overstate the step; the second table charges each kernel
@@ -68,7 +68,8 @@ def main() -> None:
     ckpt = sys.argv[1]
     for c in [int(a) for a in sys.argv[2:]] or [1]:
         e = LLMEngine(ckpt, dtype="bfloat16", device="cuda", skip_tokenizer_init=True, max_num_seqs=c,
-                      max_model_len=1024, max_num_batched_tokens=16384, long_prefill_token_threshold=2048)
+                      max_model_len=1024, max_num_batched_tokens=16384, long_prefill_token_threshold=2048,
+                      kv_cache_dtype=os.environ.get("KV_CACHE_DTYPE", "auto"))
         rng = random.Random(0)
         p = SamplingParams(temperature=0.0, max_tokens=64, ignore_eos=True, detokenize=False)
         for i in range(c):
@@ -89,7 +90,8 @@ def main() -> None:
             torch.cuda.synchronize()
         ka = prof.key_averages()
         cuda_total = sum(k.self_device_time_total for k in ka) / 8 / 1e3
-        print(f"\n=== c={c}: {step_ms:.2f} ms/step wall, {cuda_total:.2f} ms/step device (kernels)")
+        kv = e.engine_config.kv_cache_dtype
+        print(f"\n=== c={c}, KV {kv}: {step_ms:.2f} ms/step wall, {cuda_total:.2f} ms/step device (kernels)")
         print(ka.table(sort_by="self_device_time_total", row_limit=18, max_name_column_width=60))
         print_timeline(prof, steps=8)
         e = None
