@@ -5,7 +5,12 @@ holds CALLS back-to-back calls over distinct weight copies (at least L2_FLOOR by
 L2, 50 MB, never holds the weight a call reads: Ouro's o_proj is only 8 MB). Times are graph
 replays over CUDA events, per call. gate_up is timed as the engine's current path (F.linear then
 fused_ops.silu_mul) against the fused GEMV. Every GEMV tile in CANDIDATES is tried, the best is
-printed, and the outputs are checked against F.linear. Usage: python recipes/gemv_bench.py [--quick]
+printed, and the outputs are checked against F.linear.
+
+    python recipes/gemv_bench.py [--quick] [--m 16,32,64] [--only ouro]
+
+`--m` picks the row counts (past MAX_M, where the engine uses cuBLAS, to see whether the GEMV's
+tensor-core modes would win there too); `--only` keeps the shapes whose name starts with it.
 """
 
 from __future__ import annotations
@@ -64,6 +69,12 @@ CANDIDATES = {
         GemvConfig(64, 64, 1, 2, 4, 6), GemvConfig(32, 256, 1, 2, 8, 3), GemvConfig(16, 128, 1, 1, 4, 6),
     ],
 }  # fmt: skip
+# past MAX_M (16..64 rows): x is a real tensor-core operand, so wider tiles and more warps
+WIDE = [
+    GemvConfig(64, 64, 1, 2, 4, 4), GemvConfig(64, 128, 1, 2, 4, 3), GemvConfig(128, 64, 1, 2, 4, 4),
+    GemvConfig(128, 64, 1, 2, 8, 4), GemvConfig(128, 128, 1, 2, 8, 3), GemvConfig(32, 128, 1, 2, 4, 4),
+    GemvConfig(64, 128, 2, 2, 4, 3), GemvConfig(64, 64, 1, 1, 4, 4), GemvConfig(128, 64, 1, 1, 8, 4),
+]  # fmt: skip
 
 
 def time_graph(fn, xs: torch.Tensor, weights: list[torch.Tensor]) -> float:
@@ -89,13 +100,15 @@ def check(got: torch.Tensor, want: torch.Tensor) -> float:
     return ((got.float() - want.float()).abs() / ulp).max().item()
 
 
-def main(quick: bool) -> None:
-    ms = [1, 8] if quick else [1, 2, 4, 8]
+def main(quick: bool, ms: list[int], only: str) -> None:
+    ms = ms or ([1, 8] if quick else [1, 2, 4, 8])
     t0 = time.time()
     print(f"{'shape':<14}{'M':>2}{'cuBLAS us':>10}{'GB/s':>6}{'gemv us':>9}{'GB/s':>6}{'x':>6}"
           f"{'best us':>9}{'GB/s':>6}{'ulps':>6}  best tile (n, k, split, mode, warps, stages)")  # fmt: skip
     totals = {"cublas": 0.0, "default": 0.0, "best": 0.0}
     for name, (rows, k, silu) in SHAPES.items():
+        if not name.startswith(only):
+            continue
         nbytes = rows * k * 2
         copies = max(2, -(-L2_FLOOR // nbytes))
         weights = [torch.randn(rows, k, device=DEV, dtype=DT) * k**-0.5 for _ in range(copies)]
@@ -109,7 +122,8 @@ def main(quick: bool) -> None:
                 cublas = time_graph(F.linear, x, weights)
                 want = F.linear(x, weights[0])
             default = default_config(m, n, k, silu)
-            tiles = [default] + [c for c in CANDIDATES[m == 1, silu] if c != default]
+            candidates = CANDIDATES[m == 1, silu] if m <= 8 else WIDE
+            tiles = [default] + [c for c in candidates if c != default]
             results = []
             for cfg in tiles:
                 us = time_graph(lambda a, w, c=cfg, s=silu: gemv(a, w, silu=s, config=c), x, weights)
@@ -125,10 +139,16 @@ def main(quick: bool) -> None:
         del weights
         torch.cuda.empty_cache()
     c, d, b = (totals[key] * LAYER_LOOPS / 1e3 for key in ("cublas", "default", "best"))
-    print(f"Ouro-1.4B M=1 projections per token ({LAYER_LOOPS} layer-loops): cuBLAS (+silu_mul) {c:.2f} ms, "
-          f"gemv default {d:.2f} ms, best tiles {b:.2f} ms (saving {c - d:.2f} / {c - b:.2f} ms)")  # fmt: skip
+    if c:
+        print(f"Ouro-1.4B M=1 projections per token ({LAYER_LOOPS} layer-loops): cuBLAS (+silu_mul) {c:.2f} ms, "
+              f"gemv default {d:.2f} ms, best tiles {b:.2f} ms (saving {c - d:.2f} / {c - b:.2f} ms)")  # fmt: skip
     print(f"[{time.time() - t0:.0f} s]")
 
 
+def _flag(name: str) -> str:
+    args = sys.argv[1:]
+    return args[args.index(name) + 1] if name in args else ""
+
+
 if __name__ == "__main__":
-    main("--quick" in sys.argv[1:])
+    main("--quick" in sys.argv[1:], [int(m) for m in _flag("--m").split(",") if m], _flag("--only"))
