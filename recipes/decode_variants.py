@@ -1,10 +1,10 @@
-"""Paired c=1 decode timing of environment variants: which kernel option pays end to end.
+"""Paired decode timing of environment variants: which kernel option pays end to end.
 
-    python3 recipes/decode_variants.py CKPT "" "RLT_QKV_EPILOGUE=0" "RLT_PDL=0" [--rounds 2]
+    python3 recipes/decode_variants.py CKPT "" "RLT_QKV_EPILOGUE=0" "RLT_PDL=0" [--rounds 2] [--concurrency 64]
 
 Each variant is a space-separated list of NAME=VALUE settings ("" is the defaults). Per variant
-and round a fresh engine (graphs captured under that variant) prefills one random 512-token
-prompt and times 5 windows of 30 synchronous decode steps; the median window is its ms/step.
+and round a fresh engine (graphs captured under that variant) prefills `--concurrency` random
+512-token prompts (KV_CACHE_DTYPE=fp8 in a variant stores float8 KV) and times 5 windows of 30 synchronous decode steps; the median window is its ms/step.
 Variants alternate within each round, so drift on the machine hits all of them alike. Standalone
 kernel benchmarks miss what matters here: under PDL a kernel's weight reads overlap the
 previous kernel's latency, which only the whole step shows.
@@ -25,12 +25,14 @@ from rlt_serve.engine.llm_engine import LLMEngine
 from rlt_serve.sampling_params import SamplingParams
 
 
-def ms_per_step(ckpt: str, windows: int = 5, steps: int = 30) -> float:
-    e = LLMEngine(ckpt, dtype="bfloat16", device="cuda", skip_tokenizer_init=True, max_num_seqs=1,
-                  max_model_len=1024, max_num_batched_tokens=2048)  # fmt: skip
+def ms_per_step(ckpt: str, concurrency: int = 1, windows: int = 5, steps: int = 30) -> float:
+    e = LLMEngine(ckpt, dtype="bfloat16", device="cuda", skip_tokenizer_init=True, max_num_seqs=concurrency,
+                  max_model_len=1024, max_num_batched_tokens=max(2048, min(16384, 512 * concurrency)),
+                  kv_cache_dtype=os.environ.get("KV_CACHE_DTYPE", "auto"))  # fmt: skip
     p = SamplingParams(temperature=0.0, max_tokens=windows * steps + 20, ignore_eos=True, detokenize=False)
     rng = random.Random(0)
-    e.add_request("r", [rng.randrange(3, 30000) for _ in range(512)], p)
+    for i in range(concurrency):
+        e.add_request(f"r{i}", [rng.randrange(3, 30000) for _ in range(512)], p)
     while any(not s.decoding for s in e.scheduler.running) or e.scheduler.waiting:
         e.step()
     for _ in range(5):
@@ -53,6 +55,7 @@ def main() -> None:
     ap.add_argument("ckpt")
     ap.add_argument("variants", nargs="+")
     ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--concurrency", type=int, default=1, help="decode rows (each a 512-token prompt)")
     args = ap.parse_args()
     base = dict(os.environ)
     results: dict[str, list[float]] = {v: [] for v in args.variants}
@@ -62,7 +65,7 @@ def main() -> None:
             os.environ.update(base)
             os.environ.update(kv.split("=", 1) for kv in v.split())
             try:
-                results[v].append(ms_per_step(args.ckpt))
+                results[v].append(ms_per_step(args.ckpt, args.concurrency))
             except Exception as e:  # a variant that fails to compile or run is reported, not fatal
                 print(f"round {rnd} {v}: {type(e).__name__}: {str(e)[:400]}", flush=True)
                 results[v].append(float("inf"))

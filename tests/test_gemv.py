@@ -97,6 +97,29 @@ def test_default_configs_cover_every_m():
             _assert_rounded_like(gemv(x, w, silu=silu, config=cfg), _want(x, w, silu))
 
 
+def test_wider_rows_under_rlt_gemv_max_m(monkeypatch):
+    """RLT_GEMV_MAX_M opens the GEMV to decode batches past MAX_M (capped at 64) for measurement:
+    dispatch follows it, and the tile it picks there is exact for 9..64 rows, a qkv epilogue fits."""
+    from rlt_serve.models.gemv import QKVEpilogue, epilogue_fits
+
+    monkeypatch.setenv("RLT_GEMV", "interpret")
+    g = torch.Generator().manual_seed(6)
+    w = (torch.randn(96, 80, generator=g) * 80**-0.5).half()
+    assert gemv_mod.max_m() == gemv_mod.MAX_M
+    assert not gemv_mod.use_gemv(torch.randn(9, 80).half(), w, silu=True)  # gate|up: cuBLAS never wins
+    monkeypatch.setenv("RLT_GEMV_MAX_M", "128")
+    assert gemv_mod.max_m() == 64
+    assert gemv_mod.use_gemv(torch.randn(64, 80).half(), w, silu=True)
+    assert not gemv_mod.use_gemv(torch.randn(65, 80).half(), w, silu=True)
+    for m in (9, 33, 64):
+        x = torch.randn(m, 80, generator=g).half()
+        for silu in (False, True):
+            cfg = gemv_mod.default_config(m, 48 if silu else 96, 80, silu)
+            _assert_rounded_like(gemv(x, w, silu=silu, config=cfg), _want(x, w, silu))
+    cos = sin = torch.ones(64, 128).half()  # Ouro's head_dim: the tile's 32 pairs divide its 64
+    assert epilogue_fits(64, torch.empty(4 * 128 + 2 * 2 * 128, 80), QKVEpilogue(cos, sin, 4, 2, 128, None))
+
+
 def test_bad_shapes_are_rejected():
     with pytest.raises(ValueError, match="do not fit"):
         gemv(torch.ones(1, 8), torch.ones(4, 9))

@@ -43,6 +43,12 @@ triton: Any = None  # bound on first launch by rlt_serve.triton_jit.jit
 tl: Any = None
 
 MAX_M = 8  # the decode batch sizes the bench measured; more rows stay with cuBLAS
+
+
+def max_m() -> int:
+    """Most rows the GEMV serves: MAX_M, or `RLT_GEMV_MAX_M` (up to 64) to measure wider decode
+    batches end to end (recipes/decode_variants.py --concurrency) before changing the default."""
+    return min(64, int(os.environ.get("RLT_GEMV_MAX_M", MAX_M)))
 _DTYPES = (torch.bfloat16, torch.float16)
 
 
@@ -254,6 +260,8 @@ def default_config(m: int, n: int, k: int, silu: bool) -> GemvConfig:
         if k >= 3072:
             return GemvConfig(64, 128, 1, mode=2, num_warps=4, num_stages=4)  # Nanbeige qkv 3534 (3469)
         return GemvConfig(8, 512, 1, mode=0, num_warps=4, num_stages=1)  # Ouro qkv 3277 (2839)
+    if m > 8:  # RLT_GEMV_MAX_M: x fills a tensor-core operand, as in recipes/gemv_bench.py --m
+        return GemvConfig(64, 64, 1, mode=2, num_warps=4, num_stages=4)
     if rows <= 4096:  # only with long rows (see cublas_wins): split K so 132 SMs have work
         return GemvConfig(64, 128, 2, mode=2, num_warps=4, num_stages=4)  # Nanbeige o/down, M=2..8: +3..8%
     return GemvConfig(64, 128, 1, mode=2, num_warps=4, num_stages=4)  # qkv M=2..8: +1..4%
@@ -358,7 +366,7 @@ def use_gemv(x: torch.Tensor, w: torch.Tensor, silu: bool = False) -> bool:
     return (
         (x.is_cuda or (interpret and x.device.type == "cpu"))
         and x.dim() == 2
-        and x.shape[0] <= MAX_M
+        and x.shape[0] <= max_m()
         and (x.dtype in _DTYPES or (interpret and x.dtype == torch.float32))
         and w.dtype == x.dtype
         and (silu or not cublas_wins(x.shape[0], w.shape[0], w.shape[1]))
