@@ -6,7 +6,8 @@
 # SHAPE=nanbeige4.2-3b|huginn-0125 benches another family; TESTS='' skips pytest; BENCH='c1 c64 eager'
 # picks the bench set (c1async, c64async: c1, c64 with --async-scheduling, to compare side by side).
 # VARIANTS='"" "RLT_QKV_EPILOGUE=0"' then times c=1 decode under each env variant, paired
-# (recipes/decode_variants.py; eval'd, so quote each variant).
+# (recipes/decode_variants.py; eval'd, so quote each variant); VARIANT_ARGS='--concurrency 64' passes
+# its options (e.g. VARIANTS='"" "KV_CACHE_DTYPE=fp8" "RLT_GEMV_MAX_M=64"' at c=64).
 # EXTRA='--kv-cache-dtype fp8' adds bench flags, TAG=_fp8 suffixes the JSON names (two passes in one call);
 # TEST_FILES picks the pytest files.
 # .whl holds msgspec and pyzmq cp312 wheels (the CLI imports the launcher).
@@ -55,5 +56,5 @@ for x in $BENCH; do
 done
 if [ -n "${VARIANTS:-}" ]; then
   echo "=== decode variants: $VARIANTS"
-  eval "timeout 400 python3 recipes/decode_variants.py \"\$CKPT\" $VARIANTS" 2>&1 | grep -v -i warn
+  eval "timeout 400 python3 recipes/decode_variants.py \"\$CKPT\" $VARIANTS ${VARIANT_ARGS:-}" 2>&1 | grep -v -i warn
 fi
