@@ -29,24 +29,26 @@ def ms_per_step(ckpt: str, concurrency: int = 1, windows: int = 5, steps: int = 
     e = LLMEngine(ckpt, dtype="bfloat16", device="cuda", skip_tokenizer_init=True, max_num_seqs=concurrency,
                   max_model_len=1024, max_num_batched_tokens=max(2048, min(16384, 512 * concurrency)),
                   kv_cache_dtype=os.environ.get("KV_CACHE_DTYPE", "auto"))  # fmt: skip
-    p = SamplingParams(temperature=0.0, max_tokens=windows * steps + 20, ignore_eos=True, detokenize=False)
-    rng = random.Random(0)
-    for i in range(concurrency):
-        e.add_request(f"r{i}", [rng.randrange(3, 30000) for _ in range(512)], p)
-    while any(not s.decoding for s in e.scheduler.running) or e.scheduler.waiting:
-        e.step()
-    for _ in range(5):
-        e.step()
-    times = []
-    for _ in range(windows):
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        for _ in range(steps):
+    try:
+        p = SamplingParams(temperature=0.0, max_tokens=windows * steps + 20, ignore_eos=True, detokenize=False)
+        rng = random.Random(0)
+        for i in range(concurrency):
+            e.add_request(f"r{i}", [rng.randrange(3, 30000) for _ in range(512)], p)
+        while any(not s.decoding for s in e.scheduler.running) or e.scheduler.waiting:
             e.step()
-        torch.cuda.synchronize()
-        times.append((time.perf_counter() - t0) / steps * 1e3)
-    del e
-    free_device_memory(torch.device("cuda"))
+        for _ in range(5):
+            e.step()
+        times = []
+        for _ in range(windows):
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            for _ in range(steps):
+                e.step()
+            torch.cuda.synchronize()
+            times.append((time.perf_counter() - t0) / steps * 1e3)
+    finally:  # a variant that fails still gives its memory back to the next
+        del e
+        free_device_memory(torch.device("cuda"))
     return statistics.median(times)
 
 

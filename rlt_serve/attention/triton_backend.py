@@ -48,14 +48,16 @@ def _kv_operand(x, dt, KV_BITS: tl.constexpr):
     sign, exponent and mantissa land in an fp16's fields so that the value is x * 2^-8, subnormals
     included (fp16 holds every e4m3 value exactly); the caller scales the scores and the output
     back by _E4M3_SCALE. Integer shifts cost less than Triton's float8 conversion sequence."""
-    if KV_BITS == 0:
-        return x.to(dt)
-    b = x.to(tl.uint8, bitcast=True).to(tl.uint16)
-    if KV_BITS == 1:
-        h = ((b & 0x80) << 8) | ((b & 0x7F) << 7)
+    if KV_BITS == 0:  # one return at the end: Triton compiles statements after a constexpr-if's return
+        y = x.to(dt)
     else:
-        h = b << 8
-    return h.to(tl.float16, bitcast=True)
+        b = x.to(tl.uint8, bitcast=True).to(tl.uint16)
+        if KV_BITS == 1:
+            h = ((b & 0x80) << 8) | ((b & 0x7F) << 7)
+        else:
+            h = b << 8
+        y = h.to(tl.float16, bitcast=True)
+    return y
 
 
 def _write_kv_kernel(
