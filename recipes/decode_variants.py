@@ -4,7 +4,8 @@
 
 Each variant is a space-separated list of NAME=VALUE settings ("" is the defaults). Per variant
 and round a fresh engine (graphs captured under that variant) prefills `--concurrency` random
-512-token prompts (KV_CACHE_DTYPE=fp8 in a variant stores float8 KV) and times 5 windows of 30 synchronous decode steps; the median window is its ms/step.
+512-token prompts (KV_CACHE_DTYPE=fp8 in a variant stores float8 KV) and times 5 windows of 30
+synchronous decode steps; the median window is its ms/step.
 Variants alternate within each round, so drift on the machine hits all of them alike. Standalone
 kernel benchmarks miss what matters here: under PDL a kernel's weight reads overlap the
 previous kernel's latency, which only the whole step shows.
@@ -20,7 +21,7 @@ import time
 
 import torch
 
-from rlt_serve.bench import free_device_memory
+from rlt_serve.bench import free_device_memory, start_decoding
 from rlt_serve.engine.llm_engine import LLMEngine
 from rlt_serve.sampling_params import SamplingParams
 
@@ -32,10 +33,7 @@ def ms_per_step(ckpt: str, concurrency: int = 1, windows: int = 5, steps: int = 
     try:
         p = SamplingParams(temperature=0.0, max_tokens=windows * steps + 20, ignore_eos=True, detokenize=False)
         rng = random.Random(0)
-        for i in range(concurrency):
-            e.add_request(f"r{i}", [rng.randrange(3, 30000) for _ in range(512)], p)
-        while any(not s.decoding for s in e.scheduler.running) or e.scheduler.waiting:
-            e.step()
+        start_decoding(e, [[rng.randrange(3, 30000) for _ in range(512)] for _ in range(concurrency)], p, "r")
         for _ in range(5):
             e.step()
         times = []

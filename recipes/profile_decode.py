@@ -22,7 +22,7 @@ from collections import defaultdict
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from rlt_serve.bench import free_device_memory
+from rlt_serve.bench import free_device_memory, start_decoding
 from rlt_serve.engine.llm_engine import LLMEngine
 from rlt_serve.sampling_params import SamplingParams
 
@@ -72,10 +72,7 @@ def main() -> None:
                       kv_cache_dtype=os.environ.get("KV_CACHE_DTYPE", "auto"))
         rng = random.Random(0)
         p = SamplingParams(temperature=0.0, max_tokens=64, ignore_eos=True, detokenize=False)
-        for i in range(c):
-            e.add_request(f"r{i}", [rng.randrange(3, 30000) for _ in range(512)], p)
-        while any(not s.decoding for s in e.scheduler.running) or e.scheduler.waiting:
-            e.step()
+        start_decoding(e, [[rng.randrange(3, 30000) for _ in range(512)] for _ in range(c)], p, "r")
         for _ in range(3):
             e.step()
         torch.cuda.synchronize()

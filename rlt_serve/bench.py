@@ -224,6 +224,15 @@ def _prompts(n: int, length: int, vocab: int, seed: int) -> list[list[int]]:
     return [[rng.randrange(3, vocab) for _ in range(length)] for _ in range(n)]
 
 
+def start_decoding(engine: Any, prompts: list[list[int]], params: Any, prefix: str) -> None:
+    """Add `prompts` as requests `prefix0..` and step until every one is decoding (prefill done),
+    so what a caller times or profiles next is steady decode."""
+    for i, p in enumerate(prompts):
+        engine.add_request(f"{prefix}{i}", p, params)
+    while any(not s.decoding for s in engine.scheduler.running) or engine.scheduler.waiting:
+        engine.step()
+
+
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -290,10 +299,7 @@ def count_decode_syncs(
     if engine.device.type != "cuda":
         return None
     params = SamplingParams(temperature=0.0, max_tokens=4 * steps, ignore_eos=True, detokenize=False)
-    for i, p in enumerate(_prompts(batch, 16, vocab, 4242)):
-        engine.add_request(f"sync-{i}", p, params)
-    while any(not s.decoding for s in engine.scheduler.running) or engine.scheduler.waiting:
-        engine.step()
+    start_decoding(engine, _prompts(batch, 16, vocab, 4242), params, "sync-")
     torch.cuda.synchronize()
     pipeline = getattr(engine, "async_step", None)
     readbacks = pipeline.num_readbacks if pipeline is not None else 0

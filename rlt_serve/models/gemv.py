@@ -49,6 +49,8 @@ def max_m() -> int:
     """Most rows the GEMV serves: MAX_M, or `RLT_GEMV_MAX_M` (up to 64) to measure wider decode
     batches end to end (recipes/decode_variants.py --concurrency) before changing the default."""
     return min(64, int(os.environ.get("RLT_GEMV_MAX_M", MAX_M)))
+
+
 _DTYPES = (torch.bfloat16, torch.float16)
 
 
