@@ -57,5 +57,24 @@ def main() -> None:
     print(json.dumps(out))
 
 
+def attention_compiles() -> None:
+    """Compile the tiled attention kernel for sm_90 with each KV dtype its KV_BITS serves (the
+    interpreter runs Python, so a branch Triton cannot compile, such as a bitcast of a 16-bit K
+    after a constexpr-if's return, shows only here): JSON {case: true}; an error raises."""
+    from rlt_serve.attention import triton_backend as tb
+
+    const = {"GROUP": 1, "GROUP_P": 16, "TOK_M": 16, "HEAD_D": 128, "HEAD_DP": 128, "BLOCK_N": 64, "PAGE_SIZE": 16,
+             "PRECISION": "tf32", "SPLIT": True, "V_SCALE": 1.0, "PDL": False}  # fmt: skip
+    done = {}
+    for name, kv, bits in (("bf16", "*bf16", 0), ("e4m3", "*fp8e4nv", 1), ("e5m2", "*fp8e5", 2)):
+        ptrs = {"q_ptr": "*bf16", "o_ptr": "*bf16", "k_cache": kv, "v_cache": kv, "part_acc": "*fp32",
+                "part_ml": "*fp32", "rows_ptr": "*i32", "tiles_ptr": "*i32", "table_ptr": "*i32"}  # fmt: skip
+        fma_count(tb._attention_kernel, ptrs, {**const, "KV_BITS": bits}, num_warps=4)
+        done[name] = True
+    print(json.dumps(done))
+
+
 if __name__ == "__main__":
-    main()
+    import sys
+
+    attention_compiles() if sys.argv[1:] == ["--attention"] else main()
