@@ -153,20 +153,22 @@ def sweep_splits() -> None:
 
 def fp8() -> None:
     """bf16 against float8 KV on the decode and prefill shapes: float8 converted to bf16 in the
-    kernel (`fp8_bits` off) or moved into fp16 operands bit by bit, over a few tiles."""
+    kernel (`fp8_bits` off) or moved into fp16 operands bit by bit, over a few tiles; decode
+    shapes also through the vector kernel (fp32 products, no matrix tile)."""
     print(f"{'shape':<24}{'kv':>7}{'operands':>10}{'block_n':>8}{'stages':>7}{'us':>9}{'bf16 KV floor':>14}")
     for kv_dtype in (DT, torch.float8_e4m3fn, torch.float8_e5m2):
         kv, free = paged_cache(dtype=kv_dtype)
         for name, spec in shapes().items():
             rows, q, k, v = shape_inputs(spec, free)
             floor_us = kv_floor_us(sum(r.end_pos for r in rows))
-            modes = [True] if kv_dtype == DT else [False, True]
-            for bits, block_n, stages in itertools.product(modes, (64, 128), (None, 3)):
-                backend = tuned_backend("tiled", block_n=block_n, num_stages=stages)
-                backend.fp8_bits = bits
+            modes = ["-"] if kv_dtype == DT else ["convert", "bits"]
+            if spec[0][0] == 1:  # one query per row: the vector kernel converts as it loads
+                modes.append("vector")
+            for mode, block_n, stages in itertools.product(modes, (64, 128), (None, 3)):
+                backend = tuned_backend("vector" if mode == "vector" else "tiled", block_n=block_n, num_stages=stages)
+                backend.fp8_bits = mode == "bits"
                 meta = backend.prepare(rows, kv)
-                label = "bits" if bits and kv_dtype != DT else "convert" if kv_dtype != DT else "-"
-                head = f"{name:<24}{str(kv_dtype)[6:13]:>7}{label:>10}{block_n:>8}{stages!s:>7}"
+                head = f"{name:<24}{str(kv_dtype)[6:13]:>7}{mode:>10}{block_n:>8}{stages!s:>7}"
                 try:
                     us = device_us(lambda b=backend, m=meta: b.forward(q, k, v, kv, 5, m, HEAD_DIM**-0.5))  # noqa: B023
                 except Exception as e:  # out of shared memory / registers for this tile

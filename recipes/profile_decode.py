@@ -1,17 +1,20 @@
 """Where a decode step's time goes: kernel table (torch.profiler) and host time per step.
 
-    [KV_CACHE_DTYPE=fp8] python3 recipes/profile_decode.py CKPT [concurrency ...]
+    [KV_CACHE_DTYPE=fp8] [ASYNC_SCHEDULING=1] python3 recipes/profile_decode.py CKPT [concurrency ...]
 
 Prefills `concurrency` random 512-token prompts, then profiles 8 steady decode steps. With PDL
 kernels overlap, so summed kernel times overstate the step; the second table charges each kernel
 only the time it extends the GPU timeline past everything that started before it (and counts the
-idle gaps), which adds up to the device span of the steps.
+idle gaps), which adds up to the device span of the steps. The host line is the profiled wall time
+less the time the host thread spent inside CUDA synchronize calls: the host work per step.
 """
 
 from __future__ import annotations
 
+import cProfile
 import json
 import os
+import pstats
 import random
 import re
 import sys
@@ -36,7 +39,7 @@ def _kind(name: str) -> str:
     return next((k for k, pat in _KINDS if re.search(pat, name)), "other")
 
 
-def print_timeline(prof: profile, steps: int) -> None:
+def print_timeline(prof: profile, steps: int, wall_us: float) -> None:
     """Marginal device time per kernel kind: what each adds to the timeline once overlaps are removed."""
     with tempfile.TemporaryDirectory() as d:
         path = os.path.join(d, "trace.json")
@@ -58,10 +61,25 @@ def print_timeline(prof: profile, steps: int) -> None:
         count[kind] += 1
         frontier = max(frontier, end)
     span = kernels[-1][1] - kernels[0][0]
+    waits = sum(e["dur"] for e in events if e.get("cat") == "cuda_runtime" and "Synchronize" in e["name"])
     print(f"timeline: {span / steps / 1e3:.3f} ms/step device span, {idle / steps / 1e3:.3f} ms/step idle")
+    print(f"host: {(wall_us - waits) / steps / 1e3:.3f} ms/step outside synchronize calls "
+          f"({waits / steps / 1e3:.3f} ms/step waiting)")
     print(f"{'kind':<12}{'calls/step':>11}{'ms/step':>9}{'us/call':>9}")
     for kind, t in sorted(marginal.items(), key=lambda kv: -kv[1]):
         print(f"{kind:<12}{count[kind] / steps:>11.0f}{t / steps / 1e3:>9.3f}{t / count[kind]:>9.2f}")
+
+
+def print_host_profile(engine: LLMEngine, steps: int) -> None:
+    """The Python functions the host spends its step in (cProfile inflates each call, so read the
+    ranking, not the absolute times)."""
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(steps):
+        engine.step()
+    torch.cuda.synchronize()
+    prof.disable()
+    pstats.Stats(prof).sort_stats("tottime").print_stats(25)
 
 
 def main() -> None:
@@ -69,7 +87,8 @@ def main() -> None:
     for c in [int(a) for a in sys.argv[2:]] or [1]:
         e = LLMEngine(ckpt, dtype="bfloat16", device="cuda", skip_tokenizer_init=True, max_num_seqs=c,
                       max_model_len=1024, max_num_batched_tokens=16384, long_prefill_token_threshold=2048,
-                      kv_cache_dtype=os.environ.get("KV_CACHE_DTYPE", "auto"))
+                      kv_cache_dtype=os.environ.get("KV_CACHE_DTYPE", "auto"),
+                      async_scheduling=os.environ.get("ASYNC_SCHEDULING") == "1")
         rng = random.Random(0)
         p = SamplingParams(temperature=0.0, max_tokens=64, ignore_eos=True, detokenize=False)
         start_decoding(e, [[rng.randrange(3, 30000) for _ in range(512)] for _ in range(c)], p, "r")
@@ -82,15 +101,18 @@ def main() -> None:
         torch.cuda.synchronize()
         step_ms = (time.perf_counter() - t0) / 8 * 1e3
         with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            t0 = time.perf_counter()
             for _ in range(8):
                 e.step()
             torch.cuda.synchronize()
+            wall_us = (time.perf_counter() - t0) * 1e6
         ka = prof.key_averages()
         cuda_total = sum(k.self_device_time_total for k in ka) / 8 / 1e3
         kv = e.engine_config.kv_cache_dtype
         print(f"\n=== c={c}, KV {kv}: {step_ms:.2f} ms/step wall, {cuda_total:.2f} ms/step device (kernels)")
         print(ka.table(sort_by="self_device_time_total", row_limit=18, max_name_column_width=60))
-        print_timeline(prof, steps=8)
+        print_timeline(prof, steps=8, wall_us=wall_us)
+        print_host_profile(e, steps=8)
         e = None
         free_device_memory(torch.device("cuda"))
 
