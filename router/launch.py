@@ -89,6 +89,14 @@ def engine_args(args: argparse.Namespace) -> dict:
     return {name: getattr(args, name) for name in _engine_fields() if getattr(args, name) is not None}
 
 
+def worker_engine_args(args: argparse.Namespace, index: int) -> dict:
+    """`engine_args` of worker `index`: its engine seed is the launch seed plus its index, so the
+    workers draw different seeds for unseeded requests (with one seed, the i-th unseeded request
+    of every worker sampled the same tokens: the n choices of one request came back identical)."""
+    eng = engine_args(args)
+    return {**eng, "seed": eng.get("seed", 0) + index}
+
+
 def _gpu_ids() -> list[str]:
     visible = os.environ.get("CUDA_VISIBLE_DEVICES")
     if visible is not None:
@@ -250,7 +258,7 @@ def run(args: argparse.Namespace) -> int:
     procs: list[WorkerProcess] = []
     try:
         counts: dict[str, int] = {}
-        for role, env in zip(plan, _device_envs(args.device, n)):
+        for index, (role, env) in enumerate(zip(plan, _device_envs(args.device, n))):
             k = counts[role] = counts.get(role, 0) + 1
             wid = str(k - 1) if role == "both" else f"{role[0]}{k - 1}"  # 0, 1, ... or p0, d0, ...
             spec = WorkerLaunch(
@@ -261,7 +269,7 @@ def run(args: argparse.Namespace) -> int:
                 out_addr=router_addr,
                 device=args.device,
                 dtype=args.dtype,
-                engine_args=engine_args(args),
+                engine_args=worker_engine_args(args, index),
                 env=env,
                 pd_args=pd_worker_args(args) if role != "both" else [],
             )

@@ -102,6 +102,15 @@ def test_health_becomes_ok(server: Launched) -> None:
     assert r.json()["usage"]["completion_tokens"] == 4
 
 
+def test_unseeded_choices_differ_across_workers(server: Launched) -> None:
+    """n unseeded samples of one prompt are independent draws, whichever worker runs each: with
+    every worker on the same engine seed, the choices sent to different workers came back equal."""
+    r = completion(server.base, 12, n=4, temperature=1.0, ignore_eos=True)
+    assert r.status_code == 200, r.text
+    texts = [c["text"] for c in r.json()["choices"]]
+    assert len(set(texts)) == len(texts), texts
+
+
 def _stream(base: str, results: queue.Queue) -> None:
     """A long streaming request; reports (first chunk seen) then (how it ended, seconds)."""
     body = {"model": "demo-ouro-v1", "prompt": "The quick brown fox", "max_tokens": 400,

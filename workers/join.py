@@ -15,6 +15,7 @@ import argparse
 import json
 import os
 import socket
+import zlib
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -47,10 +48,13 @@ def run(args: argparse.Namespace) -> int:
         print(f"rlt-serve worker: --router must be tcp://HOST:PORT, got {args.router!r}", flush=True)
         return 2
     wid = args.worker_id or f"{args.role}-{socket.gethostname()}-{os.getpid()}"
+    eng = engine_args(args)
+    # Without --seed each pod still draws its own seeds for unseeded requests (see worker_engine_args).
+    eng.setdefault("seed", zlib.crc32(wid.encode()))
     argv = [
         "--worker-id", wid, "--role", args.role, "--model", args.model, "--in-addr", args.listen,
         "--out-addr", args.router, "--join", "--device", args.device, "--dtype", args.dtype,
-        "--engine-args", json.dumps(engine_args(args)), "--drain-timeout", str(args.drain_timeout),
+        "--engine-args", json.dumps(eng), "--drain-timeout", str(args.drain_timeout),
         "--kv-transport", args.kv_transport, "--kv-transfer-timeout", str(args.kv_transfer_timeout),
         "--kv-transfer-budget-bytes", str(args.kv_transfer_budget_bytes),
     ]  # fmt: skip
