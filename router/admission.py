@@ -10,6 +10,11 @@ Reported `Capacity` is the reconciliation: free credits are the smaller of what 
 own book leaves and what the worker says is free, so pages a worker still holds for a request
 the router already released (an abort in flight) are not promised twice.
 
+A request with several choices (prompts x n) takes all of its tickets in one grant
+(`acquire_group`): it never holds part of its credits while waiting for the rest, so two large
+requests cannot each hold what the other waits for, and one that could never fit whole (more
+choices than the live workers hold at once) is refused at once, not at the queue deadline.
+
 What does not fit waits in one bounded queue, ordered by priority (lower first) then arrival,
 served strictly from the head so a large request is not starved by a stream of small ones. When
 the queue is full, the last waiter in that order is refused (a new urgent request displaces a
@@ -40,6 +45,10 @@ class Overloaded(Exception):
 
 class NoCapacity(Exception):
     """No live worker exists that could ever hold the request (503)."""
+
+
+class GroupTooLarge(NoCapacity):
+    """Live workers exist, but too few to hold all of one request's choices at once (400)."""
 
 
 @dataclass
@@ -80,10 +89,12 @@ class Ticket:
 
 @dataclass(order=True)
 class _Waiter:
+    """One request's wait: a ticket per entry of `num_tokens`, granted together."""
+
     priority: int
     seq: int
-    num_tokens: int = field(compare=False)
-    request_id: str = field(compare=False)
+    num_tokens: list[int] = field(compare=False)
+    request_ids: list[str] = field(compare=False)
     worker_id: str | None = field(compare=False)
     future: asyncio.Future = field(compare=False)
     role: str | None = field(default=None, compare=False)
@@ -145,10 +156,24 @@ class Admission:
         `timeout` bounds the wait below the queue deadline. Raises `Overloaded` or `NoCapacity`; a
         cancelled wait leaves nothing reserved.
         """
+        return (await self.acquire_group([request_id], [num_tokens], priority, worker_id, timeout, role))[0]
+
+    async def acquire_group(
+        self,
+        request_ids: list[str],
+        num_tokens: list[int],
+        priority: int = 0,
+        worker_id: str | None = None,
+        timeout: float | None = None,
+        role: str | None = None,
+    ) -> list[Ticket]:
+        """`acquire` for every choice of one request at once: all of its tickets or none. Raises
+        `GroupTooLarge` when the live workers could not hold them all even if idle."""
         if not self._could_ever_fit(num_tokens, worker_id, role):
-            raise NoCapacity(self._no_capacity_message(num_tokens, worker_id, role))
+            raise self._impossible(num_tokens, worker_id, role)
         loop = asyncio.get_running_loop()
-        waiter = _Waiter(priority, next(self._seq), num_tokens, request_id, worker_id, loop.create_future(), role)
+        waiter = _Waiter(priority, next(self._seq), list(num_tokens), list(request_ids), worker_id,
+                         loop.create_future(), role)  # fmt: skip
         heapq.heappush(self._queue, waiter)
         self._queued += 1
         self._pump()
@@ -177,7 +202,8 @@ class Admission:
         except asyncio.CancelledError:
             self._drop(waiter)
             if waiter.future.done() and not waiter.future.cancelled() and not waiter.future.exception():
-                self.release(waiter.future.result())
+                for ticket in waiter.future.result():
+                    self.release(ticket)
             raise
 
     def release(self, ticket: Ticket) -> bool:
@@ -201,27 +227,40 @@ class Admission:
         )
         return [w for w in ws if w.accepting and (role is None or w.role == role)]
 
-    def _could_ever_fit(self, num_tokens: int, worker_id: str | None, role: str | None = None) -> bool:
-        return any(
-            w.pages_for(num_tokens) <= w.total_pages and w.total_slots >= 1 for w in self._candidates(worker_id, role)
-        )
+    @staticmethod
+    def _place(num_tokens: list[int], workers: list[WorkerCredits], idle: bool = False) -> list[WorkerCredits] | None:
+        """A worker for each footprint, or None: each goes to the least loaded worker (the largest
+        free fraction of pages, then free slots) after the ones before it took their credits;
+        `idle` places against total credits, as if nothing ran."""
+        pages = {w.worker_id: w.total_pages if idle else w.free_pages for w in workers}
+        slots = {w.worker_id: w.total_slots if idle else w.free_slots for w in workers}
+        placement: list[WorkerCredits] = []
+        for n in num_tokens:
+            fits = [w for w in workers if slots[w.worker_id] >= 1 and pages[w.worker_id] >= w.pages_for(n)]
+            if not fits:
+                return None
+            best = max(fits, key=lambda w: (pages[w.worker_id] / max(1, w.total_pages), slots[w.worker_id]))
+            pages[best.worker_id] -= best.pages_for(n)
+            slots[best.worker_id] -= 1
+            placement.append(best)
+        return placement
 
-    def _no_capacity_message(self, num_tokens: int, worker_id: str | None, role: str | None = None) -> str:
+    def _could_ever_fit(self, num_tokens: list[int], worker_id: str | None, role: str | None = None) -> bool:
+        return self._place(num_tokens, self._candidates(worker_id, role), idle=True) is not None
+
+    def _impossible(self, num_tokens: list[int], worker_id: str | None, role: str | None = None) -> NoCapacity:
+        """Why `num_tokens` can never be placed."""
         kind = f"{role} worker" if role else "worker"
-        if not self._candidates(worker_id, role):
-            return f"no live {kind} is available" + (f" (worker {worker_id})" if worker_id else "")
-        return f"a request of {num_tokens} tokens does not fit in any live {kind}'s KV cache"
-
-    def _choose(self, w: _Waiter) -> WorkerCredits | None:
-        """Least loaded by free credits: the largest free fraction of pages, then free slots."""
-        best: WorkerCredits | None = None
-        for c in self._candidates(w.worker_id, w.role):
-            if c.free_slots < 1 or c.free_pages < c.pages_for(w.num_tokens):
-                continue
-            key = (c.free_pages / max(1, c.total_pages), c.free_slots)
-            if best is None or key > (best.free_pages / max(1, best.total_pages), best.free_slots):
-                best = c
-        return best
+        workers = self._candidates(worker_id, role)
+        if not workers:
+            return NoCapacity(f"no live {kind} is available" + (f" (worker {worker_id})" if worker_id else ""))
+        if self._place([max(num_tokens)], workers, idle=True) is None:
+            return NoCapacity(f"a request of {max(num_tokens)} tokens does not fit in any live {kind}'s KV cache")
+        return GroupTooLarge(
+            f"the request's {len(num_tokens)} choices (prompts x n) run at once, but the live {kind}s hold at most "
+            f"{sum(w.total_slots for w in workers)} requests and {sum(w.total_pages for w in workers)} KV pages in "
+            "all; send fewer prompts or a smaller n per request"
+        )
 
     def _pump(self) -> None:
         """Serve waiters in order while the head fits somewhere.
@@ -236,11 +275,11 @@ class Admission:
                 if head.future.done():  # cancelled or timed out: already uncounted
                     heapq.heappop(self._queue)
                     continue
-                chosen = self._choose(head)
-                if chosen is None:
+                placement = self._place(head.num_tokens, self._candidates(None))
+                if placement is None:
                     return
                 heapq.heappop(self._queue)
-                self._grant(head, chosen)
+                self._grant(head, placement)
             return
         blocked: set[tuple[str | None, str | None]] = set()
         kept: list[_Waiter] = []
@@ -248,26 +287,29 @@ class Admission:
             if w.future.done():
                 continue
             key = (w.role, w.worker_id)
-            chosen = None if key in blocked else self._choose(w)
-            if chosen is None:
+            placement = None if key in blocked else self._place(w.num_tokens, self._candidates(w.worker_id, w.role))
+            if placement is None:
                 blocked.add(key)
                 kept.append(w)
             else:
-                self._grant(w, chosen)
+                self._grant(w, placement)
         self._queue = kept  # sorted, hence a valid heap
 
-    def _grant(self, w: _Waiter, chosen: WorkerCredits) -> None:
+    def _grant(self, w: _Waiter, placement: list[WorkerCredits]) -> None:
         self._queued -= 1
-        pages = chosen.pages_for(w.num_tokens)
-        chosen.reserved_pages += pages
-        chosen.reserved_slots += 1
-        if chosen.reported_free_pages is not None:  # until the next report, count it as used
-            chosen.reported_free_pages -= pages
-        if chosen.reported_free_slots is not None:
-            chosen.reported_free_slots -= 1
-        ticket = Ticket(w.request_id, chosen.worker_id, pages)
-        self._tickets[id(ticket)] = ticket
-        w.future.set_result(ticket)
+        tickets = []
+        for request_id, n, chosen in zip(w.request_ids, w.num_tokens, placement):
+            pages = chosen.pages_for(n)
+            chosen.reserved_pages += pages
+            chosen.reserved_slots += 1
+            if chosen.reported_free_pages is not None:  # until the next report, count it as used
+                chosen.reported_free_pages -= pages
+            if chosen.reported_free_slots is not None:
+                chosen.reported_free_slots -= 1
+            ticket = Ticket(request_id, chosen.worker_id, pages)
+            self._tickets[id(ticket)] = ticket
+            tickets.append(ticket)
+        w.future.set_result(tickets)
 
     def _drop(self, waiter: _Waiter) -> None:
         if not waiter.future.done():
@@ -278,7 +320,7 @@ class Admission:
     def _fail_impossible(self) -> None:
         for w in self._queue:
             if not w.future.done() and not self._could_ever_fit(w.num_tokens, w.worker_id, w.role):
-                w.future.set_exception(NoCapacity(self._no_capacity_message(w.num_tokens, w.worker_id, w.role)))
+                w.future.set_exception(self._impossible(w.num_tokens, w.worker_id, w.role))
                 self._queued -= 1
 
     def _retry_after(self) -> float:

@@ -2,9 +2,10 @@
 
 An OpenAI request with several prompts or `n` > 1 becomes one engine request per choice (the
 engine only runs n=1; choice i of a seeded request gets seed + i). `Generation` reserves
-credits for all of them before any is dispatched, so a request is either wholly admitted or
-refused with 429 (never half-run); it then merges their deltas into one stream of
-`ChoiceEvent`s with text already detokenised and stop strings applied.
+credits for all of them in one grant before any is dispatched, so a request is either wholly
+admitted or refused (429; 400 when its choices could never run at once), never half-run; it
+then merges their deltas into one stream of `ChoiceEvent`s with text already detokenised and
+stop strings applied.
 
 With prefill/decode disaggregation (`pd` given) each choice takes a decode ticket and then a
 prefill ticket, and is dispatched through `router.pd.PDRouter`, which owns the prefill ticket
@@ -24,7 +25,7 @@ from dataclasses import dataclass, field
 
 from rlt_serve.sampling_params import SamplingParams
 from rlt_serve.tokenizer import Tokenizer
-from router.admission import Admission, NoCapacity, Overloaded, Ticket
+from router.admission import Admission, GroupTooLarge, NoCapacity, Overloaded, Ticket
 from router.errors import APIError, invalid
 from router.metrics import RouterMetrics
 from router.pd import PDRouter
@@ -127,6 +128,9 @@ class Generation:
             if isinstance(failure, Overloaded):
                 raise APIError(429, str(failure), code="rate_limit_exceeded",
                                headers={"Retry-After": str(max(1, round(failure.retry_after)))})  # fmt: skip
+            if isinstance(failure, GroupTooLarge):
+                several_prompts = len({tuple(c.prompt_ids) for c in self.choices}) > 1
+                raise invalid(str(failure), param="prompt" if several_prompts else "n")
             if isinstance(failure, NoCapacity):
                 raise APIError(503, str(failure), code="no_worker")
             raise failure
@@ -153,17 +157,24 @@ class Generation:
     ) -> BaseException | None:
         """One ticket per choice into `choice.<slot>`; the first failure, or None."""
 
-        async def take(c: Choice) -> None:
-            num_tokens, worker_id, role = what(c)
-            ticket = await self.admission.acquire(c.request_id, num_tokens, self.priority, worker_id,
-                                                  self.deadline - time.time(), role)  # fmt: skip
-            if self._closed:
-                self.admission.release(ticket)
-            else:
-                setattr(c, slot, ticket)
+        wanted = [what(c) for c in self.choices]  # the same worker pin and role for every choice
+        _, worker_id, role = wanted[0]
 
-        results = await asyncio.gather(*(take(c) for c in self.choices), return_exceptions=True)
-        return next((r for r in results if isinstance(r, BaseException)), None)
+        async def take_all() -> None:
+            tickets = await self.admission.acquire_group(
+                [c.request_id for c in self.choices], [n for n, _, _ in wanted], self.priority, worker_id,
+                self.deadline - time.time(), role,
+            )  # fmt: skip
+            for c, ticket in zip(self.choices, tickets):
+                if self._closed:
+                    self.admission.release(ticket)
+                else:
+                    setattr(c, slot, ticket)
+
+        # gather: a cancelled caller is cancelled even when the grant lands in the same tick
+        # (the tickets are then on the choices, for close())
+        (result,) = await asyncio.gather(take_all(), return_exceptions=True)
+        return result
 
     # -- the stream -------------------------------------------------------------------------
     async def events(self) -> AsyncIterator[ChoiceEvent]:

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from rlt_serve.sampling_params import SamplingParams
-from router.admission import Admission, NoCapacity, Overloaded
+from router.admission import Admission, GroupTooLarge, NoCapacity, Overloaded
 from router.errors import APIError, invalid
 from router.generation import Choice, Generation
 from router.metrics import RouterMetrics
@@ -114,6 +114,56 @@ async def test_never_fitting_request_is_refused_at_once() -> None:
     a = _book(pages=2)
     with pytest.raises(NoCapacity):
         await a.acquire("huge", 16 * 3)
+
+
+async def test_choices_of_one_request_are_granted_together() -> None:
+    """No request holds part of its credits while it waits: with per-choice grants, `lax` (3
+    choices) held the slot free on arrival and `urgent` (4, queued ahead of it) took the 3 that
+    `busy` returned; each then waited for the other's until the queue deadline."""
+    a = _book(slots=4, queue_timeout=5.0)
+    busy = await a.acquire_group(["busy0", "busy1", "busy2"], [16] * 3)
+    lax = asyncio.create_task(a.acquire_group([f"lax{i}" for i in range(3)], [16] * 3, priority=1))
+    await asyncio.sleep(0.01)
+    assert not lax.done() and a.workers["w"].reserved_slots == 3  # nothing held while waiting
+    urgent = asyncio.create_task(a.acquire_group([f"urgent{i}" for i in range(4)], [16] * 4, priority=0))
+    await asyncio.sleep(0.01)
+    for t in busy:
+        a.release(t)
+    got = await asyncio.wait_for(urgent, 1.0)
+    assert [t.request_id for t in got] == [f"urgent{i}" for i in range(4)] and not lax.done()
+    for t in got:
+        a.release(t)
+    for t in await asyncio.wait_for(lax, 1.0):
+        a.release(t)
+    assert (a.workers["w"].reserved_slots, a.outstanding(), a.queue_length) == (0, [], 0)
+
+
+async def test_choices_that_never_fit_together_are_refused_at_once() -> None:
+    a = Admission(queue_timeout=30.0)
+    a.add_worker("a", 16, 10, 2)
+    a.add_worker("b", 16, 10, 2)
+    started = time.monotonic()
+    with pytest.raises(GroupTooLarge, match="5 choices .* at most 4 requests"):
+        await a.acquire_group([f"r{i}" for i in range(5)], [16] * 5)
+    assert time.monotonic() - started < 1.0
+    got = await a.acquire_group([f"r{i}" for i in range(4)], [16] * 4)  # 4 fit: two on each worker
+    assert sorted(t.worker_id for t in got) == ["a", "a", "b", "b"]
+    for t in got:
+        a.release(t)
+    assert a.outstanding() == []
+
+
+async def test_too_many_choices_is_a_400_and_reserves_nothing() -> None:
+    a = _book(slots=2)
+    pool = _Pool(a)
+    params = SamplingParams(max_tokens=20)
+    choices = [Choice(i, [1, 2, 3], params) for i in range(3)]
+    gen = Generation("req", choices, pool, a, RouterMetrics(pool, a), _CharTokenizer(), deadline=time.time() + 5)
+    with pytest.raises(APIError) as e:
+        await gen.start()
+    assert (e.value.status, e.value.param) == (400, "n") and "3 choices" in e.value.message
+    gen.close()
+    assert (pool.sent, a.outstanding(), a.workers["w"].reserved_slots) == ([], [], 0)
 
 
 # -- stop strings ------------------------------------------------------------------------------
