@@ -165,7 +165,8 @@ def fp8() -> None:
             if spec[0][0] == 1:  # one query per row: the vector kernel converts as it loads
                 modes.append("vector")
             for mode, block_n, stages in itertools.product(modes, (64, 128), (None, 3)):
-                backend = tuned_backend("vector" if mode == "vector" else "tiled", block_n=block_n, num_stages=stages)
+                backend = tuned_backend("vector" if mode == "vector" else "tiled", block_n=block_n, num_stages=stages,
+                                        fp8_decode_mha=mode == "vector", fp8_unsplit_block_n=block_n)
                 backend.fp8_bits = mode == "bits"
                 meta = backend.prepare(rows, kv)
                 head = f"{name:<24}{str(kv_dtype)[6:13]:>7}{mode:>10}{block_n:>8}{stages!s:>7}"

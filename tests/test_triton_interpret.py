@@ -71,14 +71,16 @@ def test_triton_matches_torch(heads, kv_heads, head_dim, page_size, spans, maske
 
 @pytest.mark.parametrize("kv_dtype", [torch.float8_e4m3fn, torch.float8_e5m2], ids=["e4m3", "e5m2"])
 @pytest.mark.parametrize("heads,kv_heads,spans,decode_mha", [(6, 2, MIXED, False), (4, 4, DECODE_ONLY, True)])
-def test_triton_matches_torch_fp8_kv(kv_dtype, heads, kv_heads, spans, decode_mha):
-    """Float8 pools: the kernels' write rounds as torch's cast does, and their reads upcast alike."""
+@pytest.mark.parametrize("split", [True, False], ids=["split-kv", "unsplit"])
+def test_triton_matches_torch_fp8_kv(kv_dtype, heads, kv_heads, spans, decode_mha, split):
+    """Float8 pools: the kernels' write rounds as torch's cast does, and their reads upcast alike
+    (unsplit decode rows: the vector kernel with its wide key step, fp8_unsplit_block_n)."""
     (kv_ref, kv_tri), rows, (q, k, v), mask = _random_call(heads, kv_heads, 24, 16, spans, 1, True)
     (kv_ref, kv_tri), _, _, _ = random_attention_call(heads, kv_heads, 24, 16, spans, 1, True,
                                                       num_pages=160 // 16 + 8, kv_dtype=kv_dtype)  # fmt: skip
     ref, tri = TorchAttentionBackend(), TritonAttentionBackend()
     tri.decode_mha = decode_mha
-    tri.split_target, tri.min_split_keys, tri.max_splits = 10**6, 16, 3
+    tri.split_target, tri.min_split_keys, tri.max_splits = 10**6 if split else 1, 16, 3
     want = ref.forward(q, k, v, kv_ref, 1, ref.prepare(rows, kv_ref, mask), 24**-0.5)
     got = tri.forward(q, k, v, kv_tri, 1, tri.prepare(rows, kv_tri, mask), 24**-0.5)
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)

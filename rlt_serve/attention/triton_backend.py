@@ -305,6 +305,13 @@ class TritonAttentionBackend(AttentionBackend):
     # One-query rows without GQA may take the vector kernel (_decode_mha_kernel). Off: on the H200 it
     # took 8.3 us per layer at c=1 against the tiled kernel's 6.2 us (profile_decode, 2026-12-03).
     decode_mha = False
+    # Float8 K/V takes the vector kernel anyway: its fp32 products convert as they load, where the
+    # tiled kernel's MMA operands do not pay back the conversion. Unsplit (high concurrency) with
+    # 128 keys a step: H100, c=64, ctx ~576, one layer: 66.5 us against the tiled kernel's 108 us
+    # (and bf16 KV's 110 us); split (c=1) 64 keys stay best, 7.7 us against 8.0.
+    # (attn_microbench.py --fp8, 2026-12-07)
+    fp8_decode_mha = True
+    fp8_unsplit_block_n = 128
     heads_first = True  # its grid order (see the kernel)
     fp8_bits = True  # float8 K/V into 16-bit dots by bit moves, not conversion (_kv_operand)
     max_splits = 16
@@ -379,9 +386,11 @@ class TritonAttentionBackend(AttentionBackend):
         block_m, tok_m = tile_shape(max(data.num_query), group)
         head_dp = max(16, next_pow2(head_dim))
         k_pages = kv.k  # [planes, pages, page_size, kv_heads, head_dim]
-        if self.decode_mha and group == 1 and max(data.num_query) == 1:
+        vector = self.decode_mha or (kv.quantized and self.fp8_decode_mha)
+        if vector and group == 1 and max(data.num_query) == 1:
             num_rows = len(data.num_query)
             splits = self.num_splits(num_rows * heads, data.max_end, kv.device)
+            block_n = self.fp8_unsplit_block_n if kv.quantized and splits == 1 else self.block_n
             part_acc, part_ml = self._partials(splits, t, heads, head_dp, out)
             grid = (heads, num_rows, splits) if self.heads_first else (num_rows, heads, splits)
             jit(_decode_mha_kernel)[grid](
@@ -390,7 +399,7 @@ class TritonAttentionBackend(AttentionBackend):
                 kv.plane_base(layer), scale * _LOG2E,
                 q.stride(0), q.stride(1), out.stride(0), out.stride(1),
                 k_pages.stride(0), k_pages.stride(1), k_pages.stride(2), k_pages.stride(3), data.table.stride(0),
-                HEAD_D=head_dim, HEAD_DP=head_dp, BLOCK_N=self.block_n, PAGE_SIZE=kv.page_size, SPLIT=splits > 1,
+                HEAD_D=head_dim, HEAD_DP=head_dp, BLOCK_N=block_n, PAGE_SIZE=kv.page_size, SPLIT=splits > 1,
                 HEADS_FIRST=self.heads_first, num_warps=self.num_warps, **pdl(q), **({} if self.num_stages is None else {"num_stages": self.num_stages}),
             )  # fmt: skip
             return self._combine(out, part_acc, part_ml, splits, t, heads, head_dim, head_dp)
