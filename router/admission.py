@@ -245,6 +245,10 @@ class Admission:
             placement.append(best)
         return placement
 
+    def _placement(self, w: _Waiter) -> list[WorkerCredits] | None:
+        """Where `w`'s tickets go with the credits free now, or None while they do not fit."""
+        return self._place(w.num_tokens, self._candidates(w.worker_id, w.role))
+
     def _could_ever_fit(self, num_tokens: list[int], worker_id: str | None, role: str | None = None) -> bool:
         return self._place(num_tokens, self._candidates(worker_id, role), idle=True) is not None
 
@@ -275,7 +279,7 @@ class Admission:
                 if head.future.done():  # cancelled or timed out: already uncounted
                     heapq.heappop(self._queue)
                     continue
-                placement = self._place(head.num_tokens, self._candidates(None))
+                placement = self._placement(head)
                 if placement is None:
                     return
                 heapq.heappop(self._queue)
@@ -287,7 +291,7 @@ class Admission:
             if w.future.done():
                 continue
             key = (w.role, w.worker_id)
-            placement = None if key in blocked else self._place(w.num_tokens, self._candidates(w.worker_id, w.role))
+            placement = None if key in blocked else self._placement(w)
             if placement is None:
                 blocked.add(key)
                 kept.append(w)

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
 from rlt_serve.sampling_params import SamplingParams
@@ -119,10 +119,10 @@ class Generation:
         even when the caller is cancelled between the grant and this coroutine resuming; one
         granted after `close()` is returned at once, and a closed generation dispatches nothing."""
         role = "decode" if self.pd is not None else None
-        failure = await self._acquire_all("ticket", lambda c: (c.footprint, self.worker_id, role))
+        failure = await self._acquire_all("ticket", [c.footprint for c in self.choices], self.worker_id, role)
         if failure is None and self.pd is not None and not self._closed:  # decode first, then prefill: no cyclic wait
-            failure = await self._acquire_all("prefill_ticket",
-                                              lambda c: (len(c.prompt_ids), self.prefill_worker_id, "prefill"))  # fmt: skip
+            failure = await self._acquire_all("prefill_ticket", [len(c.prompt_ids) for c in self.choices],
+                                              self.prefill_worker_id, "prefill")  # fmt: skip
         if failure is not None:
             self.close()
             if isinstance(failure, Overloaded):
@@ -153,16 +153,14 @@ class Generation:
             self.pool.submit(c.ticket.worker_id, msg, self._sink)
 
     async def _acquire_all(
-        self, slot: str, what: Callable[[Choice], tuple[int, str | None, str | None]]
+        self, slot: str, num_tokens: list[int], worker_id: str | None, role: str | None
     ) -> BaseException | None:
-        """One ticket per choice into `choice.<slot>`; the first failure, or None."""
-
-        wanted = [what(c) for c in self.choices]  # the same worker pin and role for every choice
-        _, worker_id, role = wanted[0]
+        """One ticket per choice (for `num_tokens[i]` tokens) into `choice.<slot>`, all granted
+        together; the failure, or None."""
 
         async def take_all() -> None:
             tickets = await self.admission.acquire_group(
-                [c.request_id for c in self.choices], [n for n, _, _ in wanted], self.priority, worker_id,
+                [c.request_id for c in self.choices], num_tokens, self.priority, worker_id,
                 self.deadline - time.time(), role,
             )  # fmt: skip
             for c, ticket in zip(self.choices, tickets):
