@@ -7,6 +7,7 @@ Usage: python recipes/attn_microbench.py [backend ...]
        python recipes/attn_microbench.py --sweep   (Triton decode: block_n x num_warps x num_stages)
        python recipes/attn_microbench.py --sweep-splits   (c=1 decode: kernel x split-KV key range)
        python recipes/attn_microbench.py --fp8   (bf16 vs float8 KV: conversion vs bit operands, tiles)
+       python recipes/attn_microbench.py --vector-sweep [64:1,32:1 [repeats]]   (vector kernel: key step x warps)
 """
 
 from __future__ import annotations
@@ -109,6 +110,13 @@ def tuned_backend(kernel: str, **knobs: int) -> Any:
     return backend
 
 
+def fixed_tile(backend: Any, block_n: int, warps: int, v_with_k: bool) -> Any:
+    """`backend` with its float8 vector kernel held to one tile (instead of fp8_vector_tile's choice)."""
+    backend.fp8_vector_tile = lambda programs, splits: (block_n, warps, v_with_k)
+    backend.block_n, backend.num_warps, backend.v_with_k = block_n, warps, v_with_k
+    return backend
+
+
 def sweep() -> None:
     """The Triton kernel's tile knobs on the decode shapes, to choose the class defaults."""
     kv, free = paged_cache()
@@ -166,7 +174,9 @@ def fp8() -> None:
                 modes.append("vector")
             for mode, block_n, stages in itertools.product(modes, (64, 128), (None, 3)):
                 backend = tuned_backend("vector" if mode == "vector" else "tiled", block_n=block_n, num_stages=stages,
-                                        fp8_decode_mha=mode == "vector", fp8_unsplit_block_n=block_n)
+                                        fp8_decode_mha=mode == "vector")
+                if mode == "vector":
+                    fixed_tile(backend, block_n, 4, False)
                 backend.fp8_bits = mode == "bits"
                 meta = backend.prepare(rows, kv)
                 head = f"{name:<24}{str(kv_dtype)[6:13]:>7}{mode:>10}{block_n:>8}{stages!s:>7}"
@@ -178,6 +188,42 @@ def fp8() -> None:
                 print(f"{head}{us:>9.1f}{floor_us:>14.1f}")
 
 
+def vector_sweep(tiles: list[tuple[int, int]], repeats: int) -> None:
+    """The vector kernel's key step and warps where its KV reads are most of a decode step
+    (c=32..128, unsplit) and at c=1 (split), for float8 and bf16 KV, with the tiled kernel's
+    default beside it; `repeats` rounds over the same tiles show the run-to-run spread."""
+    print(f"{'shape':<8}{'kv':>6}{'kernel':>8}{'block_n':>8}{'warps':>6}{'splits':>7}{'us':>9}{'KV floor':>9}{'of floor':>9}")
+    for kv_dtype in (torch.float8_e4m3fn, DT):
+        kv, free = paged_cache(128 * 41 + 64, dtype=kv_dtype)
+        rng = random.Random(0)
+        for c in (1, 32, 64, 128):
+            spec = [(1, 575, 2)] if c == 1 else [(1, rng.randint(512, 640), rng.randrange(LOOPS)) for _ in range(c)]
+            rows, q, k, v = shape_inputs(spec, free)
+            floor_us = kv_floor_us(sum(r.end_pos for r in rows)) * kv_dtype.itemsize / DT.itemsize
+            configs = [("tiled", 64, 4), ("default", 0, 0)]
+            configs += [(kernel, *t) for kernel in ("v-early", "v-late") for t in tiles]
+            for _, (kernel, block_n, warps) in itertools.product(range(repeats), configs):
+                if kernel == "default":  # the class defaults: fp8_vector_tile's choice for float8
+                    backend = get_attention_backend("triton", DEV, DT, PAGE)
+                else:
+                    backend = tuned_backend(kernel, heads_first=True, fp8_decode_mha=kernel != "tiled")
+                    if kernel != "tiled":
+                        fixed_tile(backend, block_n, warps, kernel == "v-early")
+                meta = backend.prepare(rows, kv)
+                splits = backend.num_splits(c * HEADS, meta.extra.max_end, DEV)
+                if kernel == "default":
+                    block_n, warps = backend.fp8_vector_tile(c * HEADS, splits)[:2] if kv.quantized else (64, 4)
+                head = f"c={c:<6}{str(kv_dtype)[6:13]:>6}{kernel:>8}{block_n:>8}{warps:>6}{splits:>7}"
+                try:
+                    us = device_us(lambda b=backend, m=meta: b.forward(q, k, v, kv, 5, m, HEAD_DIM**-0.5))  # noqa: B023
+                except Exception as e:  # out of shared memory / registers for this tile
+                    print(f"{head}  {type(e).__name__}")
+                    continue
+                print(f"{head}{us:>9.1f}{floor_us:>9.1f}{floor_us / us:>9.1%}")
+        del kv
+        torch.cuda.empty_cache()
+
+
 if __name__ == "__main__":
     if sys.argv[1:] == ["--sweep"]:
         sweep()
@@ -185,5 +231,10 @@ if __name__ == "__main__":
         sweep_splits()
     elif sys.argv[1:] == ["--fp8"]:
         fp8()
+    elif sys.argv[1:2] == ["--vector-sweep"]:  # [block_n:warps,... [repeats]]
+        tiles = [(32, 1), (64, 1), (128, 1), (64, 2), (128, 4)]
+        if sys.argv[2:]:
+            tiles = [(int(b), int(w)) for b, w in (t.split(":") for t in sys.argv[2].split(","))]
+        vector_sweep(tiles, int(sys.argv[3]) if sys.argv[3:] else 1)
     else:
         main(sys.argv[1:] or ["torch", "triton", "flash-attn"])

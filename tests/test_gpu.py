@@ -77,11 +77,13 @@ def test_backend_call_matches_torch(backend, dtype, heads, kv_heads, head_dim, p
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("heads,kv_heads,head_dim,page_size", [(16, 16, 128, 16), (48, 8, 128, 16), (6, 2, 96, 1)])
 @pytest.mark.parametrize("spans", [SPANS, DECODE], ids=["mixed", "decode"])
-@pytest.mark.parametrize("split_target", [None, 1], ids=["splits", "unsplit"])
-def test_triton_fp8_kv_call_matches_torch(kv_dtype, dtype, heads, kv_heads, head_dim, page_size, spans, split_target):
+@pytest.mark.parametrize("split_target,warps_in_flight", [(None, 2048), (1, 2048), (1, 1)],
+                         ids=["splits", "unsplit", "unsplit-one-warp"])
+def test_triton_fp8_kv_call_matches_torch(kv_dtype, dtype, heads, kv_heads, head_dim, page_size, spans, split_target,
+                                          warps_in_flight):  # fmt: skip
     """Float8 pools: the Triton write rounds exactly as torch's cast (bit-equal pools), and the
     kernels' upcast reads give the torch backend's output; unsplit, decode rows take the vector
-    kernel's wide key steps (fp8_unsplit_block_n), as at high concurrency."""
+    kernel's wide tiles or (warps_in_flight 1, as at c >= 128) its one-warp tile (fp8_vector_tile)."""
     _need("triton", dtype)
     pools, rows, (q, k, v), mask = random_attention_call(
         heads, kv_heads, head_dim, page_size, spans, 0, True, num_pages=2000 // page_size + len(spans) + 2,
@@ -89,7 +91,7 @@ def test_triton_fp8_kv_call_matches_torch(kv_dtype, dtype, heads, kv_heads, head
     )
     ref = get_attention_backend("torch", CUDA, dtype, page_size, kv_dtype=kv_dtype)
     tri = get_attention_backend("triton", CUDA, dtype, page_size, kv_dtype=kv_dtype)
-    tri.split_target = split_target
+    tri.split_target, tri.fp8_warps_in_flight = split_target, warps_in_flight
     want = ref.forward(q, k, v, pools[0], 1, ref.prepare(rows, pools[0], mask), head_dim**-0.5)
     got = tri.forward(q, k, v, pools[1], 1, tri.prepare(rows, pools[1], mask), head_dim**-0.5)
     tol = 1e-4 if dtype == torch.float32 else 2e-2

@@ -71,21 +71,31 @@ def test_triton_matches_torch(heads, kv_heads, head_dim, page_size, spans, maske
 
 @pytest.mark.parametrize("kv_dtype", [torch.float8_e4m3fn, torch.float8_e5m2], ids=["e4m3", "e5m2"])
 @pytest.mark.parametrize("heads,kv_heads,spans,decode_mha", [(6, 2, MIXED, False), (4, 4, DECODE_ONLY, True)])
-@pytest.mark.parametrize("split", [True, False], ids=["split-kv", "unsplit"])
-def test_triton_matches_torch_fp8_kv(kv_dtype, heads, kv_heads, spans, decode_mha, split):
+@pytest.mark.parametrize("split,warps_in_flight", [(True, 2048), (False, 10**6), (False, 1)],
+                         ids=["split-kv", "unsplit-wide", "unsplit-one-warp"])
+def test_triton_matches_torch_fp8_kv(kv_dtype, heads, kv_heads, spans, decode_mha, split, warps_in_flight):
     """Float8 pools: the kernels' write rounds as torch's cast does, and their reads upcast alike
-    (unsplit decode rows: the vector kernel with its wide key step, fp8_unsplit_block_n)."""
+    (unsplit decode rows: the vector kernel's 4-warp, 128-key tile and its one-warp tile)."""
     (kv_ref, kv_tri), rows, (q, k, v), mask = _random_call(heads, kv_heads, 24, 16, spans, 1, True)
     (kv_ref, kv_tri), _, _, _ = random_attention_call(heads, kv_heads, 24, 16, spans, 1, True,
                                                       num_pages=160 // 16 + 8, kv_dtype=kv_dtype)  # fmt: skip
     ref, tri = TorchAttentionBackend(), TritonAttentionBackend()
-    tri.decode_mha = decode_mha
+    tri.decode_mha, tri.fp8_warps_in_flight = decode_mha, warps_in_flight
     tri.split_target, tri.min_split_keys, tri.max_splits = 10**6 if split else 1, 16, 3
     want = ref.forward(q, k, v, kv_ref, 1, ref.prepare(rows, kv_ref, mask), 24**-0.5)
     got = tri.forward(q, k, v, kv_tri, 1, tri.prepare(rows, kv_tri, mask), 24**-0.5)
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
     assert torch.equal(kv_tri.raw_k, kv_ref.raw_k) and torch.equal(kv_tri.raw_v, kv_ref.raw_v), "KV writes differ"
     assert kv_tri.k.float().abs().sum() > 0
+
+
+def test_fp8_vector_tile_keeps_warps_in_flight():
+    """Unsplit float8 decode widens programs (32 keys a warp, up to 4 warps) while programs x warps
+    stay within fp8_warps_in_flight; split key ranges keep one warp."""
+    tri = TritonAttentionBackend()
+    assert [tri.fp8_vector_tile(16 * c, 1) for c in (8, 32, 48, 64, 128, 256)] == [
+        (128, 4, False), (128, 4, False), (64, 2, False), (64, 2, False), (32, 1, True), (32, 1, True)]
+    assert tri.fp8_vector_tile(16, 9) == (32, 1, True)
 
 
 @pytest.mark.parametrize("kv_dtype", [torch.float8_e4m3fn, torch.float8_e5m2], ids=["e4m3", "e5m2"])

@@ -178,7 +178,8 @@ def _decode_mha_kernel(
     stride_qt, stride_qh, stride_ot, stride_oh,
     stride_plane, stride_page, stride_slot, stride_kvh, stride_table,
     HEAD_D: tl.constexpr, HEAD_DP: tl.constexpr, BLOCK_N: tl.constexpr,
-    PAGE_SIZE: tl.constexpr, SPLIT: tl.constexpr, HEADS_FIRST: tl.constexpr, PDL: tl.constexpr,
+    PAGE_SIZE: tl.constexpr, SPLIT: tl.constexpr, HEADS_FIRST: tl.constexpr, V_WITH_K: tl.constexpr,
+    PDL: tl.constexpr,
 ):  # fmt: skip
     """Program (row, head, split) of a one-query-per-row call without GQA: the score of a key is
     a dot product of two vectors, so no matrix-multiply tile is padded out from one query row to
@@ -216,13 +217,16 @@ def _decode_mha_kernel(
         kv_off = kv_base + page.to(tl.int64) * stride_page + (pos % PAGE_SIZE) * stride_slot
         kv_mask = n_ok[:, None] & d_ok[None, :]
         k = tl.load(k_cache + kv_off[:, None] + d[None, :], mask=kv_mask, other=0.0)
+        if V_WITH_K:
+            v = tl.load(v_cache + kv_off[:, None] + d[None, :], mask=kv_mask, other=0.0)
         s = tl.sum(k.to(tl.float32) * qf[None, :], 1) * qk_scale
         s = tl.where(n_ok, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 0))
         p = tl.exp2(s - m_new)
         alpha = tl.exp2(m_i - m_new)
         l_i = l_i * alpha + tl.sum(p, 0)
-        v = tl.load(v_cache + kv_off[:, None] + d[None, :], mask=kv_mask, other=0.0)
+        if not V_WITH_K:
+            v = tl.load(v_cache + kv_off[:, None] + d[None, :], mask=kv_mask, other=0.0)
         pv = p.to(q.dtype).to(tl.float32)
         acc = acc * alpha + tl.sum(pv[:, None] * v.to(tl.float32), 0)
         m_i = m_new
@@ -306,13 +310,12 @@ class TritonAttentionBackend(AttentionBackend):
     # took 8.3 us per layer at c=1 against the tiled kernel's 6.2 us (profile_decode, 2026-12-03).
     decode_mha = False
     # Float8 K/V takes the vector kernel anyway: its fp32 products convert as they load, where the
-    # tiled kernel's MMA operands do not pay back the conversion. Unsplit (high concurrency) with
-    # 128 keys a step: H100, c=64, ctx ~576, one layer: 66.5 us against the tiled kernel's 108 us
-    # (and bf16 KV's 110 us); split (c=1) 64 keys stay best, 7.7 us against 8.0.
-    # (attn_microbench.py --fp8, 2026-12-07)
+    # tiled kernel's MMA operands do not pay back the conversion. Its tile: fp8_vector_tile.
     fp8_decode_mha = True
-    fp8_unsplit_block_n = 128
+    fp8_warps_in_flight = 2048  # unsplit: programs x warps to aim for (about 16 warps an SM)
+    fp8_split_block_n = 32
     heads_first = True  # its grid order (see the kernel)
+    v_with_k = False  # bf16 vector kernel: V loaded after the scores (with K's loads: fp8_vector_tile)
     fp8_bits = True  # float8 K/V into 16-bit dots by bit moves, not conversion (_kv_operand)
     max_splits = 16
     min_split_keys = 64  # one key block: shorter splits cost more in the combine than they save
@@ -390,7 +393,9 @@ class TritonAttentionBackend(AttentionBackend):
         if vector and group == 1 and max(data.num_query) == 1:
             num_rows = len(data.num_query)
             splits = self.num_splits(num_rows * heads, data.max_end, kv.device)
-            block_n = self.fp8_unsplit_block_n if kv.quantized and splits == 1 else self.block_n
+            block_n, warps, v_with_k = self.block_n, self.num_warps, self.v_with_k
+            if kv.quantized:
+                block_n, warps, v_with_k = self.fp8_vector_tile(num_rows * heads, splits)
             part_acc, part_ml = self._partials(splits, t, heads, head_dp, out)
             grid = (heads, num_rows, splits) if self.heads_first else (num_rows, heads, splits)
             jit(_decode_mha_kernel)[grid](
@@ -400,7 +405,7 @@ class TritonAttentionBackend(AttentionBackend):
                 q.stride(0), q.stride(1), out.stride(0), out.stride(1),
                 k_pages.stride(0), k_pages.stride(1), k_pages.stride(2), k_pages.stride(3), data.table.stride(0),
                 HEAD_D=head_dim, HEAD_DP=head_dp, BLOCK_N=block_n, PAGE_SIZE=kv.page_size, SPLIT=splits > 1,
-                HEADS_FIRST=self.heads_first, num_warps=self.num_warps, **pdl(q), **({} if self.num_stages is None else {"num_stages": self.num_stages}),
+                HEADS_FIRST=self.heads_first, V_WITH_K=v_with_k, num_warps=warps, **pdl(q), **({} if self.num_stages is None else {"num_stages": self.num_stages}),
             )  # fmt: skip
             return self._combine(out, part_acc, part_ml, splits, t, heads, head_dim, head_dp)
         tiles, num_tiles = data.tiles_for(tok_m, kv.device)
@@ -421,6 +426,22 @@ class TritonAttentionBackend(AttentionBackend):
             **({} if self.num_stages is None else {"num_stages": self.num_stages}),
         )  # fmt: skip
         return self._combine(out, part_acc, part_ml, splits, t, heads, head_dim, head_dp)
+
+    def fp8_vector_tile(self, programs: int, splits: int) -> tuple[int, int, bool]:
+        """(keys a step, warps, V loaded with K) of the float8 vector kernel. Unsplit, 32 keys a
+        warp and as many warps a program (up to 4) as keep about `fp8_warps_in_flight` warps
+        resident; a lone warp issues its V loads with K's, wider programs after the scores. Split
+        (c=1: short key ranges): one warp, 32 keys. H100, one layer, ctx ~576, us
+        (`attn_microbench.py --vector-sweep`, 2026-12-07): c=32 36.8 (128 x 4), c=64 61.8 (64 x 2),
+        c=128 108.1 (32 x 1), c=1 6.7 (32 x 1, 9 splits); the earlier fixed tiles (128 x 4
+        unsplit, 64 x 4 split) took 36.9, 66.7, 123.8 and 7.7, the tiled kernel 62.3, 115.3,
+        219.9 and 8.0."""
+        if splits > 1:
+            return self.fp8_split_block_n, 1, True
+        warps = 1
+        while warps < 4 and programs * warps * 2 <= self.fp8_warps_in_flight:
+            warps *= 2
+        return 32 * warps, warps, warps == 1
 
     def kv_bits(self, kv_dtype: torch.dtype, q_dtype: torch.dtype) -> int:
         """How the tiled kernel takes float8 K/V: as fp16 bit patterns when q is 16-bit (the
