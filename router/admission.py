@@ -229,21 +229,23 @@ class Admission:
 
     @staticmethod
     def _place(num_tokens: list[int], workers: list[WorkerCredits], idle: bool = False) -> list[WorkerCredits] | None:
-        """A worker for each footprint, or None: each goes to the least loaded worker (the largest
-        free fraction of pages, then free slots) after the ones before it took their credits;
-        `idle` places against total credits, as if nothing ran."""
+        """A worker for each footprint (in `num_tokens`' order), or None: largest first, each goes
+        to the least loaded worker (the largest free fraction of pages, then free slots) after the
+        ones before it took their credits, so small choices do not strand a large one (first fit
+        decreasing); `idle` places against total credits, as if nothing ran."""
         pages = {w.worker_id: w.total_pages if idle else w.free_pages for w in workers}
         slots = {w.worker_id: w.total_slots if idle else w.free_slots for w in workers}
-        placement: list[WorkerCredits] = []
-        for n in num_tokens:
+        placement: list[WorkerCredits | None] = [None] * len(num_tokens)
+        for i in sorted(range(len(num_tokens)), key=lambda i: -num_tokens[i]):
+            n = num_tokens[i]
             fits = [w for w in workers if slots[w.worker_id] >= 1 and pages[w.worker_id] >= w.pages_for(n)]
             if not fits:
                 return None
             best = max(fits, key=lambda w: (pages[w.worker_id] / max(1, w.total_pages), slots[w.worker_id]))
             pages[best.worker_id] -= best.pages_for(n)
             slots[best.worker_id] -= 1
-            placement.append(best)
-        return placement
+            placement[i] = best
+        return placement  # type: ignore[return-value]  (every entry set)
 
     def _placement(self, w: _Waiter) -> list[WorkerCredits] | None:
         """Where `w`'s tickets go with the credits free now, or None while they do not fit."""

@@ -153,6 +153,21 @@ async def test_choices_that_never_fit_together_are_refused_at_once() -> None:
     assert a.outstanding() == []
 
 
+async def test_mixed_size_choices_are_packed_largest_first() -> None:
+    """Two workers of 10 pages: choices of 5, 5 and 10 pages fit (10 on one, 5 + 5 on the other),
+    which placing them in arrival order on the least loaded worker (5 | 5, then 10 nowhere)
+    reported as never fitting."""
+    a = Admission(queue_timeout=30.0)
+    a.add_worker("a", 16, 10, 4)
+    a.add_worker("b", 16, 10, 4)
+    got = await asyncio.wait_for(a.acquire_group(["s0", "s1", "big"], [16 * 5, 16 * 5, 16 * 10]), 1.0)
+    assert [t.request_id for t in got] == ["s0", "s1", "big"]
+    assert got[0].worker_id == got[1].worker_id != got[2].worker_id
+    for t in got:
+        a.release(t)
+    assert (a.workers["a"].reserved_pages, a.workers["b"].reserved_pages, a.outstanding()) == (0, 0, [])
+
+
 async def test_too_many_choices_is_a_400_and_reserves_nothing() -> None:
     a = _book(slots=2)
     pool = _Pool(a)
