@@ -37,6 +37,17 @@ def device_us(fn, reps: int = 20) -> float:
     return 1e3 * do_bench(graph.replay) / reps
 
 
+def layer_us(head: str, backend: Any, meta: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+             kv: KVCache) -> float | None:
+    """One layer's attention call (layer 5), graph-timed; None, after printing `head` and the
+    error, when the tile does not compile (out of shared memory or registers)."""
+    try:
+        return device_us(lambda: backend.forward(q, k, v, kv, 5, meta, HEAD_DIM**-0.5))
+    except Exception as e:  # noqa: BLE001  (Triton's OutOfResources and compile errors alike)
+        print(f"{head}  {type(e).__name__}")
+        return None
+
+
 def shapes() -> dict[str, list[tuple[int, int, int]]]:
     """name -> rows as (num_query, start_pos, depth_slot)."""
     rng = random.Random(0)
@@ -132,13 +143,9 @@ def sweep() -> None:
         configs += [("tiled", *c) for c in itertools.product((32, 64, 128), (4, 8), (2, 3, 4))]
         for kernel, block_n, warps, stages in configs:
             backend = tuned_backend(kernel, block_n=block_n, num_warps=warps, num_stages=stages)
-            meta = backend.prepare(rows, kv)
-            try:
-                us = device_us(lambda b=backend, m=meta: b.forward(q, k, v, kv, 5, m, HEAD_DIM**-0.5))  # noqa: B023
-            except Exception as e:  # out of shared memory / registers for this tile
-                print(f"{name:<24}{kernel:>8}{block_n:>8}{warps:>6}{stages:>7}  {type(e).__name__}")
-                continue
-            print(f"{name:<24}{kernel:>8}{block_n:>8}{warps:>6}{stages:>7}{us:>9.1f}{floor_us / us:>9.1%}")
+            head = f"{name:<24}{kernel:>8}{block_n:>8}{warps:>6}{stages:>7}"
+            if (us := layer_us(head, backend, backend.prepare(rows, kv), q, k, v, kv)) is not None:
+                print(f"{head}{us:>9.1f}{floor_us / us:>9.1%}")
 
 
 def sweep_splits() -> None:
@@ -153,10 +160,10 @@ def sweep_splits() -> None:
         floor_us = kv_floor_us(ctx)
         for kernel, split_keys in itertools.product(("tiled", "vector", "vec-rows"), (32, 64, 128, 256, 10**6)):
             backend = tuned_backend(kernel, min_split_keys=split_keys, max_splits=64)
-            meta = backend.prepare(rows, kv)
             splits = backend.num_splits(HEADS, ctx, DEV)
-            us = device_us(lambda b=backend, m=meta: b.forward(q, k, v, kv, 5, m, HEAD_DIM**-0.5))  # noqa: B023
-            print(f"{ctx:>8}{kernel:>9}{split_keys:>11}{splits:>7}{us:>8.1f}{floor_us / us:>9.1%}")
+            head = f"{ctx:>8}{kernel:>9}{split_keys:>11}{splits:>7}"
+            if (us := layer_us(head, backend, backend.prepare(rows, kv), q, k, v, kv)) is not None:
+                print(f"{head}{us:>8.1f}{floor_us / us:>9.1%}")
 
 
 def fp8() -> None:
@@ -180,12 +187,8 @@ def fp8() -> None:
                 backend.fp8_bits = mode == "bits"
                 meta = backend.prepare(rows, kv)
                 head = f"{name:<24}{str(kv_dtype)[6:13]:>7}{mode:>10}{block_n:>8}{stages!s:>7}"
-                try:
-                    us = device_us(lambda b=backend, m=meta: b.forward(q, k, v, kv, 5, m, HEAD_DIM**-0.5))  # noqa: B023
-                except Exception as e:  # out of shared memory / registers for this tile
-                    print(f"{head}  {type(e).__name__}")
-                    continue
-                print(f"{head}{us:>9.1f}{floor_us:>14.1f}")
+                if (us := layer_us(head, backend, meta, q, k, v, kv)) is not None:
+                    print(f"{head}{us:>9.1f}{floor_us:>14.1f}")
 
 
 def vector_sweep(tiles: list[tuple[int, int]], repeats: int) -> None:
@@ -214,12 +217,8 @@ def vector_sweep(tiles: list[tuple[int, int]], repeats: int) -> None:
                 if kernel == "default":
                     block_n, warps = backend.fp8_vector_tile(c * HEADS, splits)[:2] if kv.quantized else (64, 4)
                 head = f"c={c:<6}{str(kv_dtype)[6:13]:>6}{kernel:>8}{block_n:>8}{warps:>6}{splits:>7}"
-                try:
-                    us = device_us(lambda b=backend, m=meta: b.forward(q, k, v, kv, 5, m, HEAD_DIM**-0.5))  # noqa: B023
-                except Exception as e:  # out of shared memory / registers for this tile
-                    print(f"{head}  {type(e).__name__}")
-                    continue
-                print(f"{head}{us:>9.1f}{floor_us:>9.1f}{floor_us / us:>9.1%}")
+                if (us := layer_us(head, backend, meta, q, k, v, kv)) is not None:
+                    print(f"{head}{us:>9.1f}{floor_us:>9.1f}{floor_us / us:>9.1%}")
         del kv
         torch.cuda.empty_cache()
 
