@@ -6,7 +6,8 @@ Prefills `concurrency` random 512-token prompts, then profiles 8 steady decode s
 kernels overlap, so summed kernel times overstate the step; the second table charges each kernel
 only the time it extends the GPU timeline past everything that started before it (and counts the
 idle gaps), which adds up to the device span of the steps. The host line is the profiled wall time
-less the time the host thread spent inside CUDA synchronize and copy calls: the host work per step.
+less the time the host thread spent inside CUDA synchronize calls and device-to-pageable copies (which
+block until the copy is done): the host work per step.
 """
 
 from __future__ import annotations
@@ -61,10 +62,14 @@ def print_timeline(prof: profile, steps: int, wall_us: float) -> None:
         count[kind] += 1
         frontier = max(frontier, end)
     span = kernels[-1][1] - kernels[0][0]
-    # a device-to-host copy into pageable memory blocks inside cudaMemcpyAsync (the synchronous engine's read)
-    waits = sum(e["dur"] for e in events if e.get("cat") == "cuda_runtime" and re.search("Synchronize|Memcpy", e["name"]))
+    # a device-to-host copy into pageable memory blocks inside cudaMemcpyAsync (the synchronous engine's
+    # read); other copy calls return at once, so only those whose device copy is one count as waiting
+    blocking = {e.get("args", {}).get("correlation") for e in events
+                if e.get("cat") == "gpu_memcpy" and "DtoH" in e["name"] and "Pageable" in e["name"]}
+    waits = sum(e["dur"] for e in events if e.get("cat") == "cuda_runtime" and (
+        "Synchronize" in e["name"] or ("Memcpy" in e["name"] and e.get("args", {}).get("correlation") in blocking)))
     print(f"timeline: {span / steps / 1e3:.3f} ms/step device span, {idle / steps / 1e3:.3f} ms/step idle")
-    print(f"host: {(wall_us - waits) / steps / 1e3:.3f} ms/step outside synchronize and copy calls "
+    print(f"host: {(wall_us - waits) / steps / 1e3:.3f} ms/step outside synchronize and blocking copy calls "
           f"({waits / steps / 1e3:.3f} ms/step waiting)")
     print(f"{'kind':<12}{'calls/step':>11}{'ms/step':>9}{'us/call':>9}")
     for kind, t in sorted(marginal.items(), key=lambda kv: -kv[1]):
