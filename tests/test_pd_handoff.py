@@ -399,3 +399,22 @@ def test_held_pages_make_queued_requests_wait(ckpt):
         assert chunks[-1].request_id == "queued" and chunks[-1].last
         assert eng.release_prefill("queued")
         _assert_pools(eng)
+
+
+def test_refusal_after_the_prefill_job_ended_is_counted() -> None:
+    """A write is posted and forgotten, so the refusal of a job's last chunk may arrive after the
+    job finished: the writer still counts it as stale (it was only counted while the job lived,
+    which made test_reservation_never_activated_expires flaky)."""
+    from types import SimpleNamespace
+
+    from workers.prefill import PrefillRole
+    from workers.transfer import KVLayout, TransferNotif, encode_notif
+
+    counted: list[str] = []
+    refusal = encode_notif(TransferNotif("refused", "gone", 3, 0, True))
+    agent = SimpleNamespace(notifications=lambda: [("d0", refusal)])
+    metrics = SimpleNamespace(count_transfer_failure=counted.append, set_in_flight=lambda *a: None)
+    role = PrefillRole("p0", SimpleNamespace(), agent, lambda msg: None, metrics, 1 << 20, 5.0,
+                       KVLayout(8, 16, 1024, 64))  # fmt: skip
+    role.pump()
+    assert counted == ["stale"] and role.jobs == {}
