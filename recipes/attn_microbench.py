@@ -215,7 +215,8 @@ def vector_sweep(tiles: list[tuple[int, int]], repeats: int) -> None:
                 meta = backend.prepare(rows, kv)
                 splits = backend.num_splits(c * HEADS, meta.extra.max_end, DEV)
                 if kernel == "default":
-                    block_n, warps = backend.fp8_vector_tile(c * HEADS, splits)[:2] if kv.quantized else (64, 4)
+                    block_n, warps = (backend.fp8_vector_tile(c * HEADS, splits)[:2] if kv.quantized
+                                      else (backend.block_n, backend.num_warps))
                 head = f"c={c:<6}{str(kv_dtype)[6:13]:>6}{kernel:>8}{block_n:>8}{warps:>6}{splits:>7}"
                 if (us := layer_us(head, backend, meta, q, k, v, kv)) is not None:
                     print(f"{head}{us:>9.1f}{floor_us:>9.1f}{floor_us / us:>9.1%}")

@@ -65,7 +65,7 @@ def print_timeline(prof: profile, steps: int, wall_us: float) -> None:
     # a device-to-host copy into pageable memory blocks inside cudaMemcpyAsync (the synchronous engine's
     # read); other copy calls return at once, so only those whose device copy is one count as waiting
     blocking = {e.get("args", {}).get("correlation") for e in events
-                if e.get("cat") == "gpu_memcpy" and "DtoH" in e["name"] and "Pageable" in e["name"]}
+                if e.get("cat") == "gpu_memcpy" and "DtoH" in e["name"] and "Pageable" in e["name"]} - {None}
     waits = sum(e["dur"] for e in events if e.get("cat") == "cuda_runtime" and (
         "Synchronize" in e["name"] or ("Memcpy" in e["name"] and e.get("args", {}).get("correlation") in blocking)))
     print(f"timeline: {span / steps / 1e3:.3f} ms/step device span, {idle / steps / 1e3:.3f} ms/step idle")

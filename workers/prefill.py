@@ -140,12 +140,12 @@ class PrefillRole:
             self.on_prefill(item[1], held=True)
         for _peer, data in self.agent.notifications():
             n = decode_notif(data)
-            job = self.jobs.get(n.request_id) if n is not None else None
             if n is None or n.kind != "refused":
                 continue
             # Counted even when the job is gone: a write is posted and forgotten, so the refusal of
             # a job's last chunk can arrive after the job finished.
             self.metrics.count_transfer_failure("stale")
+            job = self.jobs.get(n.request_id)
             if job is not None and n.generation == job.msg.generation:
                 self._fail(job, f"worker {job.msg.decode_worker} refused the KV write (allocation generation "
                                 f"{n.generation} is no longer live there)")  # fmt: skip
