@@ -40,7 +40,9 @@ class Server:
         self.proc = proc
         self.base_url = base_url
         self.log = log
-        self.http = httpx.Client(base_url=base_url, timeout=60.0)
+        # Idle connections are dropped before uvicorn's 5 s keep-alive closes them: reusing one the
+        # server is closing at that moment fails as "Server disconnected without sending a response".
+        self.http = httpx.Client(base_url=base_url, timeout=60.0, limits=httpx.Limits(keepalive_expiry=2.0))
 
     def metrics(self) -> dict[str, float]:
         """`name{labels}` -> value for every sample of one /metrics scrape."""
