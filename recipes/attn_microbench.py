@@ -8,6 +8,7 @@ Usage: python recipes/attn_microbench.py [backend ...]
        python recipes/attn_microbench.py --sweep-splits   (c=1 decode: kernel x split-KV key range)
        python recipes/attn_microbench.py --fp8   (bf16 vs float8 KV: conversion vs bit operands, tiles)
        python recipes/attn_microbench.py --vector-sweep [64:1,32:1 [repeats]]   (vector kernel: key step x warps)
+       python recipes/attn_microbench.py --prefill-sweep   (tiled kernel: prompt tile, unmasked key blocks)
 """
 
 from __future__ import annotations
@@ -224,6 +225,54 @@ def vector_sweep(tiles: list[tuple[int, int]], repeats: int) -> None:
         torch.cuda.empty_cache()
 
 
+def prefill_sweep() -> None:
+    """The tiled kernel on prompt spans (fresh prompts and a chunk after a long cached prefix):
+    the prompt tile off (64 rows, 32 keys, masked loop alone: before 2026-12-07) and its (rows,
+    key step, warps, stages), with or without the unmasked-block loop; and the decode shapes,
+    which keep their tiles. FlashAttention (gathered K/V) for scale."""
+    kv, free = paged_cache(64 * 41 + 64 + 1024)
+    prompt_shapes = {
+        "prefill 16x512": [(512, 0, d % LOOPS) for d in range(16)],
+        "prefill 4x2048": [(2048, 0, d % LOOPS) for d in range(4)],
+        "prefill 1x8192": [(8192, 0, 1)],
+        "chunk 2048 @ 6144": [(2048, 6144, 3)],
+    }
+    decode_shapes = dict(list(shapes().items())[:2])
+    print(f"{'shape':<20}{'kernel':<8}{'rows':>5}{'keys':>5}{'warps':>6}{'stages':>7}{'full':>6}{'us':>9}"
+          f"{'floor us':>9}{'of floor':>9}")  # fmt: skip
+    configs: list[tuple[str, int, int, int, int | None, bool]] = [("off", 0, 0, 4, None, False)]
+    configs += [("prompt", m, n, w, st, full) for m, n, w, st in ((64, 64, 4, 2), (64, 32, 4, 2), (128, 64, 4, 2),
+                (128, 128, 8, 3), (64, 64, 4, 1)) for full in (True, False)]  # fmt: skip
+    for name, spec in {**prompt_shapes, **decode_shapes}.items():
+        starts = [0]
+        for n, s, _ in spec:
+            starts.append(starts[-1] + -(-(s + n) // PAGE))
+        rows = [RowSpec(n, s, d, free[a:b]) for (n, s, d), a, b in zip(spec, starts, starts[1:])]
+        t = sum(r.num_query for r in rows)
+        q = torch.randn(t, HEADS, HEAD_DIM, device=DEV, dtype=DT)
+        k = torch.randn(t, KV_HEADS, HEAD_DIM, device=DEV, dtype=DT)
+        v = torch.randn_like(k)
+        flops = sum(4 * HEADS * HEAD_DIM * r.num_query * (r.start_pos + (r.num_query + 1) / 2) for r in rows)
+        floor_us = max(kv_floor_us(sum(r.end_pos for r in rows)), 1e6 * flops / FLOPS)
+        decode = spec[0][0] == 1
+        for kernel, block_m, block_n, warps, stages, full in configs[:1] if decode else configs:
+            backend = get_attention_backend("triton", DEV, DT, PAGE)
+            if kernel == "off" or decode:  # decode: the class defaults (decode rows never take the prompt tile)
+                backend.prefill_block_m = block_m if kernel == "off" else backend.prefill_block_m
+            else:
+                for knob, value in (("block_m", block_m), ("block_n", block_n), ("warps", warps),
+                                    ("stages", stages), ("full_first", full)):  # fmt: skip
+                    setattr(backend, f"prefill_{knob}", value)
+            head = f"{name:<20}{kernel:<8}{block_m or 64:>5}{block_n or 32:>5}{warps:>6}{stages!s:>7}{full!s:>6}"
+            if (us := layer_us(head, backend, backend.prepare(rows, kv), q, k, v, kv)) is not None:
+                print(f"{head}{us:>9.1f}{floor_us:>9.1f}{floor_us / us:>9.1%}")
+        if not decode:
+            backend = get_attention_backend("flash-attn", DEV, DT, PAGE)
+            head = f"{name:<20}{'flash':<8}{'':>29}"
+            if (us := layer_us(head, backend, backend.prepare(rows, kv), q, k, v, kv)) is not None:
+                print(f"{head}{us:>9.1f}{floor_us:>9.1f}{floor_us / us:>9.1%}")
+
+
 if __name__ == "__main__":
     if sys.argv[1:] == ["--sweep"]:
         sweep()
@@ -231,6 +280,8 @@ if __name__ == "__main__":
         sweep_splits()
     elif sys.argv[1:] == ["--fp8"]:
         fp8()
+    elif sys.argv[1:] == ["--prefill-sweep"]:
+        prefill_sweep()
     elif sys.argv[1:2] == ["--vector-sweep"]:  # [block_n:warps,... [repeats]]
         tiles = [(32, 1), (64, 1), (128, 1), (64, 2), (128, 4)]
         if sys.argv[2:]:

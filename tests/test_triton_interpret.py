@@ -22,7 +22,7 @@ pytestmark = pytest.mark.filterwarnings("ignore:Conversion of an array with ndim
 
 from rlt_serve.attention.backend import get_attention_backend
 from rlt_serve.attention.torch_backend import TorchAttentionBackend
-from rlt_serve.attention.triton_backend import TritonAttentionBackend
+from rlt_serve.attention.triton_backend import TritonAttentionBackend, tile_shape
 from rlt_serve.engine.llm_engine import LLMEngine
 from rlt_serve.sampling_params import SamplingParams
 from rlt_serve.testing import random_attention_call
@@ -66,6 +66,39 @@ def test_triton_matches_torch(heads, kv_heads, head_dim, page_size, spans, maske
     want = ref.forward(q, k, v, kv_ref, 1, ref.prepare(rows, kv_ref, mask), scale)
     got = tri.forward(q, k, v, kv_tri, 1, tri.prepare(rows, kv_tri, mask), scale)
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    assert torch.equal(kv_tri.k, kv_ref.k) and torch.equal(kv_tri.v, kv_ref.v), "KV writes differ"
+
+
+@pytest.mark.parametrize(
+    "heads,kv_heads,head_dim,page_size,spans",
+    [
+        # prompt tiles over several key blocks; (30, 14) and (9, 62) put a diagonal one key before a block end
+        (4, 4, 16, 16, [(80, 0), (1, 40), (30, 14), (9, 62)]),
+        (6, 2, 24, 1, MIXED),  # GQA, head_dim padded: unmasked blocks keep the head-dim mask
+    ],
+)
+@pytest.mark.parametrize("splits", [1, 3], ids=["whole", "split-kv"])
+def test_prompt_tile_and_unmasked_blocks_match_torch(heads, kv_heads, head_dim, page_size, spans, splits):
+    """The prompt tile (prefill_block_m with its own key step and warps) gives the torch backend's
+    output; the loop over whole key blocks without masks gives the masked loop's exact bits."""
+    (kv_ref, kv_tri), rows, (q, k, v), mask = _random_call(heads, kv_heads, head_dim, page_size, spans, 3, True)
+    ref = TorchAttentionBackend()
+    tris = [TritonAttentionBackend() for _ in range(3)]
+    for tri in tris:  # float32 here, which the prompt tile otherwise leaves alone
+        tri.prompt_rows = lambda dtype, tri=tri: tri.prefill_block_m
+        tri.prefill_block_n, tri.prefill_warps, tri.prefill_stages = 16, 4, 2
+    tris[0].prefill_full_first = False  # masked loop alone
+    tris[2].prefill_block_m = 32  # another tile height
+    for tri in tris:
+        tri.split_target, tri.min_split_keys, tri.max_splits = (10**6, 16, splits) if splits > 1 else (1, 16, 1)
+    for m in (32, 64):  # the prompt tile runs
+        assert tile_shape(max(r.num_query for r in rows), heads // kv_heads, m)[0] == m
+    scale = head_dim**-0.5
+    want = ref.forward(q, k, v, kv_ref, 1, ref.prepare(rows, kv_ref, mask), scale)
+    masked, unmasked, tall = (tri.forward(q, k, v, kv_tri, 1, tri.prepare(rows, kv_tri, mask), scale) for tri in tris)
+    assert torch.equal(unmasked, masked)
+    for got in (masked, tall):
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
     assert torch.equal(kv_tri.k, kv_ref.k) and torch.equal(kv_tri.v, kv_ref.v), "KV writes differ"
 
 

@@ -10,6 +10,11 @@ and masked. Float8 K/V (`kv_cache_dtype`) is upcast to q's dtype as it is loaded
 `write_mask` keep what the cache holds), then every query reads its keys from the cache; or the
 qkv GEMV's epilogue writes them (`kv_write_target`, `forward(..., kv_written=True)`).
 
+Prompt spans take the prompt tile (`prefill_*` knobs): 64 keys a step, two pipeline stages, and
+the key blocks every query of the tile sees whole in a loop of their own without masks, the
+diagonal blocks after them. On an H100 that cut a layer's attention over an 8192-token prompt from
+1283 to 898 us and over a 2048-token chunk after a 6144-token prefix from 705 to 397 us.
+
 When a call has too few programs to fill the GPU (decode at low concurrency: one row is only
 `kv_heads` programs) and long contexts, each program's key range is split (flash-decoding): the
 splits leave unnormalised fp32 partials with their running max and sum, and a third launch merges
@@ -60,6 +65,48 @@ def _kv_operand(x, dt, KV_BITS: tl.constexpr):
     return y
 
 
+@device_function
+def _attend_block(
+    q, acc, m_i, l_i, n0, hi, q_pos, k_cache, v_cache, table_row, kv_base,
+    stride_page, stride_slot, d, d_ok, qk_scale,
+    BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr, PRECISION: tl.constexpr, KV_BITS: tl.constexpr,
+    MASKED: tl.constexpr, FULL_D: tl.constexpr,
+):  # fmt: skip
+    """One key block [n0, n0 + BLOCK_N) of the online softmax. MASKED: keys at or past `hi` and
+    keys after a query's position are excluded; unmasked blocks (every key seen by every query)
+    skip those selects, and with FULL_D (head_dim a power of two) the loads carry no mask at all.
+    Masked-out keys add exact zeros, so both forms give the same bits."""
+    pos = n0 + tl.arange(0, BLOCK_N)
+    n_ok = pos < hi
+    if MASKED:
+        page = tl.load(table_row + pos // PAGE_SIZE, mask=n_ok, other=0)
+    else:
+        page = tl.load(table_row + pos // PAGE_SIZE)
+    kv_off = kv_base + page.to(tl.int64) * stride_page + (pos % PAGE_SIZE) * stride_slot
+    if MASKED:
+        kt = tl.load(k_cache + kv_off[None, :] + d[:, None], mask=n_ok[None, :] & d_ok[:, None], other=0.0)
+    elif FULL_D:
+        kt = tl.load(k_cache + kv_off[None, :] + d[:, None])
+    else:
+        kt = tl.load(k_cache + kv_off[None, :] + d[:, None], mask=d_ok[:, None], other=0.0)
+    s = tl.dot(q, _kv_operand(kt, q.dtype, KV_BITS), input_precision=PRECISION) * qk_scale
+    if MASKED:
+        s = tl.where((pos[None, :] <= q_pos[:, None]) & n_ok[None, :], s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a query that sees no key of this block
+    p = tl.exp2(s - m_safe[:, None])
+    alpha = tl.exp2(m_i - m_safe)
+    l_i = l_i * alpha + tl.sum(p, 1)
+    if MASKED:
+        v = tl.load(v_cache + kv_off[:, None] + d[None, :], mask=n_ok[:, None] & d_ok[None, :], other=0.0)
+    elif FULL_D:
+        v = tl.load(v_cache + kv_off[:, None] + d[None, :])
+    else:
+        v = tl.load(v_cache + kv_off[:, None] + d[None, :], mask=d_ok[None, :], other=0.0)
+    pv = tl.dot(p.to(q.dtype), _kv_operand(v, q.dtype, KV_BITS), input_precision=PRECISION)
+    return acc * alpha[:, None] + pv, m_new, l_i
+
+
 def _write_kv_kernel(
     k_ptr, v_ptr, k_cache, v_cache, slot_ptr, depth_ptr, mask_ptr,
     plane_base, stride_t, stride_plane, stride_slot,
@@ -92,7 +139,7 @@ def _attention_kernel(
     GROUP: tl.constexpr, GROUP_P: tl.constexpr, TOK_M: tl.constexpr,
     HEAD_D: tl.constexpr, HEAD_DP: tl.constexpr, BLOCK_N: tl.constexpr,
     PAGE_SIZE: tl.constexpr, PRECISION: tl.constexpr, SPLIT: tl.constexpr, KV_BITS: tl.constexpr,
-    V_SCALE: tl.constexpr, PDL: tl.constexpr,
+    V_SCALE: tl.constexpr, FULL_FIRST: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     """Program (tile, kv_head, split): causal attention of one tile's queries over its row's plane,
     or (SPLIT) over split `s` of the key blocks, leaving unnormalised partials for the combine.
@@ -137,23 +184,21 @@ def _attention_kernel(
     m_i = tl.full([TOK_M * GROUP_P], float("-inf"), tl.float32)
     l_i = tl.zeros([TOK_M * GROUP_P], tl.float32)
     acc = tl.zeros([TOK_M * GROUP_P, HEAD_DP], tl.float32)
-    for n0 in range(lo, hi, BLOCK_N):
-        pos = n0 + tl.arange(0, BLOCK_N)
-        n_ok = pos < hi
-        page = tl.load(table_ptr + row * stride_table + pos // PAGE_SIZE, mask=n_ok, other=0)
-        kv_off = kv_base + page.to(tl.int64) * stride_page + (pos % PAGE_SIZE) * stride_slot
-        kt = tl.load(k_cache + kv_off[None, :] + d[:, None], mask=n_ok[None, :] & d_ok[:, None], other=0.0)
-        s = tl.dot(q, _kv_operand(kt, q.dtype, KV_BITS), input_precision=PRECISION) * qk_scale
-        s = tl.where((pos[None, :] <= q_pos[:, None]) & n_ok[None, :], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a query that sees no key of this block
-        p = tl.exp2(s - m_safe[:, None])
-        alpha = tl.exp2(m_i - m_safe)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(v_cache + kv_off[:, None] + d[None, :], mask=n_ok[:, None] & d_ok[None, :], other=0.0)
-        pv = tl.dot(p.to(q.dtype), _kv_operand(v, q.dtype, KV_BITS), input_precision=PRECISION)
-        acc = acc * alpha[:, None] + pv
-        m_i = m_new
+    mid = lo
+    if FULL_FIRST:  # key blocks every query of the tile sees whole: no causal or range mask
+        mid = lo + tl.maximum(tl.minimum(hi, start_pos + q_off + 1) - lo, 0) // BLOCK_N * BLOCK_N
+        for n0 in range(lo, mid, BLOCK_N):
+            acc, m_i, l_i = _attend_block(
+                q, acc, m_i, l_i, n0, hi, q_pos, k_cache, v_cache, table_ptr + row * stride_table, kv_base,
+                stride_page, stride_slot, d, d_ok, qk_scale,
+                BLOCK_N, PAGE_SIZE, PRECISION, KV_BITS, False, HEAD_D == HEAD_DP,
+            )  # fmt: skip
+    for n0 in range(mid, hi, BLOCK_N):
+        acc, m_i, l_i = _attend_block(
+            q, acc, m_i, l_i, n0, hi, q_pos, k_cache, v_cache, table_ptr + row * stride_table, kv_base,
+            stride_page, stride_slot, d, d_ok, qk_scale,
+            BLOCK_N, PAGE_SIZE, PRECISION, KV_BITS, True, HEAD_D == HEAD_DP,
+        )  # fmt: skip
     if V_SCALE != 1.0:
         acc = acc * V_SCALE
     if SPLIT:  # partials [splits, T, heads, HEAD_DP] and (max, sum) [splits, T, heads, 2], fp32
@@ -285,11 +330,14 @@ class TritonCallData:
         return self.tiles[tok_m]
 
 
-def tile_shape(max_query: int, group: int) -> tuple[int, int]:
+def tile_shape(max_query: int, group: int, prompt_m: int = 0) -> tuple[int, int]:
     """(rows, query tokens) of an attention tile: 16 or 64 (token, head-of-group) rows, the wide
-    tile only when some row has more queries than a narrow one holds."""
+    tile only when some row has more queries than a narrow one holds; `prompt_m` rows (the prompt
+    tile, `TritonAttentionBackend.prefill_block_m`) when some row fills a tile of that height."""
     group_p = next_pow2(group)
     block_m = 64 if max_query > 16 // group_p else 16
+    if prompt_m and max_query >= prompt_m // group_p:
+        block_m = prompt_m
     return block_m, max(1, block_m // group_p)
 
 
@@ -320,6 +368,14 @@ class TritonAttentionBackend(AttentionBackend):
     max_splits = 16
     min_split_keys = 64  # one key block: shorter splits cost more in the combine than they save
     split_target: int | None = None  # programs to aim for; None: twice the GPU's multiprocessors
+    # Prompt spans (some row with at least this many (token, head) rows) take the prompt tile: its
+    # own key step, warps and pipelining, and whole key blocks without masks in their own loop
+    # (_attend_block) (0: off). Chosen by `attn_microbench.py --prefill-sweep`.
+    prefill_block_m = 64
+    prefill_block_n = 64
+    prefill_warps = 4
+    prefill_stages: int | None = 2
+    prefill_full_first = True
     _sms: int | None = None
 
     def prepare_extra(self, meta: AttentionMetadata, kv: KVCache) -> TritonCallData:
@@ -386,7 +442,7 @@ class TritonAttentionBackend(AttentionBackend):
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         group = heads // kv_heads
         group_p = next_pow2(group)
-        block_m, tok_m = tile_shape(max(data.num_query), group)
+        block_m, tok_m = tile_shape(max(data.num_query), group, self.prompt_rows(q.dtype))
         head_dp = max(16, next_pow2(head_dim))
         k_pages = kv.k  # [planes, pages, page_size, kv_heads, head_dim]
         vector = self.decode_mha or (kv.quantized and self.fp8_decode_mha)
@@ -413,6 +469,11 @@ class TritonAttentionBackend(AttentionBackend):
         part_acc, part_ml = self._partials(splits, t, heads, head_dp, out)
         kv_bits = self.kv_bits(kv.dtype, q.dtype)
         op_scale = _E4M3_SCALE if kv_bits == _E4M3_BITS else 1.0
+        block_n = self.block_n if head_dp <= 64 or block_m <= 16 else self.block_n // 2
+        warps, stages, full_first = self.num_warps, self.num_stages, False
+        if block_m == self.prompt_rows(q.dtype):
+            block_n, warps, stages = self.prefill_block_n, self.prefill_warps, self.prefill_stages
+            full_first = self.prefill_full_first
         jit(_attention_kernel)[(num_tiles, kv_heads, splits)](
             q, out, k_pages, kv.v, data.rows, tiles, data.table,
             part_acc, part_ml, splits, t * heads,
@@ -420,12 +481,16 @@ class TritonAttentionBackend(AttentionBackend):
             q.stride(0), q.stride(1), out.stride(0), out.stride(1),
             k_pages.stride(0), k_pages.stride(1), k_pages.stride(2), k_pages.stride(3), data.table.stride(0),
             GROUP=group, GROUP_P=group_p, TOK_M=tok_m, HEAD_D=head_dim, HEAD_DP=head_dp,
-            BLOCK_N=self.block_n if head_dp <= 64 or block_m <= 16 else self.block_n // 2,
-            PAGE_SIZE=kv.page_size, PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-            SPLIT=splits > 1, KV_BITS=kv_bits, V_SCALE=op_scale, num_warps=self.num_warps, **pdl(q),
-            **({} if self.num_stages is None else {"num_stages": self.num_stages}),
+            BLOCK_N=block_n, PAGE_SIZE=kv.page_size, PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+            SPLIT=splits > 1, KV_BITS=kv_bits, V_SCALE=op_scale, FULL_FIRST=full_first,
+            num_warps=warps, **pdl(q), **({} if stages is None else {"num_stages": stages}),
         )  # fmt: skip
         return self._combine(out, part_acc, part_ml, splits, t, heads, head_dim, head_dp)
+
+    def prompt_rows(self, dtype: torch.dtype) -> int:
+        """Rows of the prompt tile for q in `dtype` (0: none). 16-bit only: the sweep timed bf16, and
+        float32 (exact test models) keeps the tiles its GPU tests ran with."""
+        return self.prefill_block_m if dtype.itemsize == 2 else 0
 
     def fp8_vector_tile(self, programs: int, splits: int) -> tuple[int, int, bool]:
         """(keys a step, warps, V loaded with K) of the float8 vector kernel. Unsplit, 32 keys a

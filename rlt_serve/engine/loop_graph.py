@@ -81,7 +81,8 @@ class LoopGraphs:
 
         if (b, q) not in self._tiles:
             mc = self.runner.model_config
-            _, tok_m = tile_shape(q, mc.num_attention_heads // mc.num_key_value_heads)
+            prompt_rows = getattr(self.runner.backend, "prompt_rows", lambda dtype: 0)(self.hidden.dtype)
+            _, tok_m = tile_shape(q, mc.num_attention_heads // mc.num_key_value_heads, prompt_rows)
             flat = [x for r in range(b) for off in range(0, q, tok_m) for x in (r, off)]
             tiles = torch.tensor(flat, dtype=torch.int32).to(self.runner.device)
             self._tiles[(b, q)] = {tok_m: (tiles, len(flat) // 2)}
