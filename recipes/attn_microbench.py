@@ -1,4 +1,5 @@
-"""Attention-kernel microbenchmark on the Ouro-1.4B plane layout (bf16, 96 planes, page 16).
+"""Attention-kernel microbenchmark on the Ouro-1.4B plane layout (bf16, 96 planes, page 16; other
+head shapes through ATTN_SHAPE).
 
 Times one layer's attention call per backend for the three shapes that matter (decode at
 concurrency 1 and 64 with ~576 tokens of context, and a 8192-token prefill of 16 prompts),
@@ -14,6 +15,7 @@ Usage: python recipes/attn_microbench.py [backend ...]
 from __future__ import annotations
 
 import itertools
+import os
 import random
 import sys
 from typing import Any
@@ -26,7 +28,9 @@ from rlt_serve.attention.flash_backend import write_kv
 from rlt_serve.engine.cuda_graph import capture
 from rlt_serve.engine.kv_cache import KVCache
 
-HEADS, KV_HEADS, HEAD_DIM, LAYERS, LOOPS, PAGE = 16, 16, 128, 24, 4, 16
+# Ouro-1.4B's attention; ATTN_SHAPE=heads:kv_heads:head_dim times another family's (Nanbeige 48:8:128, Huginn 55:55:96)
+HEADS, KV_HEADS, HEAD_DIM = (int(x) for x in os.environ.get("ATTN_SHAPE", "16:16:128").split(":"))
+LAYERS, LOOPS, PAGE = 24, 4, 16
 BW, FLOPS = 4.2e12, 790e12
 DEV, DT = torch.device("cuda"), torch.bfloat16
 
@@ -260,7 +264,7 @@ def prefill_sweep() -> None:
             if kernel == "off" or decode:  # decode: the class defaults (decode rows never take the prompt tile)
                 backend.prefill_block_m = block_m if kernel == "off" else backend.prefill_block_m
             else:
-                for knob, value in (("block_m", block_m), ("block_n", block_n), ("warps", warps),
+                for knob, value in (("block_m", block_m), ("block_n", block_n), ("gqa_block_n", block_n), ("warps", warps),
                                     ("stages", stages), ("full_first", full)):  # fmt: skip
                     setattr(backend, f"prefill_{knob}", value)
             head = f"{name:<20}{kernel:<8}{block_m or 64:>5}{block_n or 32:>5}{warps:>6}{stages!s:>7}{full!s:>6}"

@@ -373,6 +373,7 @@ class TritonAttentionBackend(AttentionBackend):
     # (_attend_block) (0: off). Chosen by `attn_microbench.py --prefill-sweep`.
     prefill_block_m = 64
     prefill_block_n = 64
+    prefill_gqa_block_n = 32  # GQA: a tile's rows are several heads of few tokens, one K block for all
     prefill_warps = 4
     prefill_stages: int | None = 2
     prefill_full_first = True
@@ -472,7 +473,8 @@ class TritonAttentionBackend(AttentionBackend):
         block_n = self.block_n if head_dp <= 64 or block_m <= 16 else self.block_n // 2
         warps, stages, full_first = self.num_warps, self.num_stages, False
         if block_m == self.prompt_rows(q.dtype):
-            block_n, warps, stages = self.prefill_block_n, self.prefill_warps, self.prefill_stages
+            block_n = self.prefill_block_n if group == 1 else self.prefill_gqa_block_n
+            warps, stages = self.prefill_warps, self.prefill_stages
             full_first = self.prefill_full_first
         jit(_attention_kernel)[(num_tiles, kv_heads, splits)](
             q, out, k_pages, kv.v, data.rows, tiles, data.table,
