@@ -37,5 +37,7 @@ def test_exact_rounding_kernels_compile_without_bf16_fma() -> None:
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
 def test_attention_kernel_compiles_for_every_kv_dtype() -> None:
     """bf16, e4m3 and e5m2 K/V: the tiled attention kernel compiles for sm_90 (with bf16 KV it did
-    not after the float8 change, which only a GPU showed)."""
-    assert _kernel_ptx("--attention") == {"bf16": True, "e4m3": True, "e5m2": True}
+    not after the float8 change, which only a GPU showed), with the decode tile and the prompt
+    tiles (unmasked loop first; MHA and GQA)."""
+    want = {kv + tile: True for kv in ("bf16", "e4m3", "e5m2") for tile in ("", "-prompt", "-prompt-gqa")}
+    assert _kernel_ptx("--attention") == want
