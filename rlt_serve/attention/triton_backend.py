@@ -443,7 +443,8 @@ class TritonAttentionBackend(AttentionBackend):
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         group = heads // kv_heads
         group_p = next_pow2(group)
-        block_m, tok_m = tile_shape(max(data.num_query), group, self.prompt_rows(q.dtype))
+        prompt_m = self.prompt_rows(q.dtype)
+        block_m, tok_m = tile_shape(max(data.num_query), group, prompt_m)
         head_dp = max(16, next_pow2(head_dim))
         k_pages = kv.k  # [planes, pages, page_size, kv_heads, head_dim]
         vector = self.decode_mha or (kv.quantized and self.fp8_decode_mha)
@@ -472,7 +473,7 @@ class TritonAttentionBackend(AttentionBackend):
         op_scale = _E4M3_SCALE if kv_bits == _E4M3_BITS else 1.0
         block_n = self.block_n if head_dp <= 64 or block_m <= 16 else self.block_n // 2
         warps, stages, full_first = self.num_warps, self.num_stages, False
-        if block_m == self.prompt_rows(q.dtype):
+        if prompt_m and max(data.num_query) >= prompt_m // group_p:  # the prompt tile (tile_shape)
             block_n = self.prefill_block_n if group == 1 else self.prefill_gqa_block_n
             warps, stages = self.prefill_warps, self.prefill_stages
             full_first = self.prefill_full_first
