@@ -1,13 +1,15 @@
 """Where a decode step's time goes: kernel table (torch.profiler) and host time per step.
 
     [KV_CACHE_DTYPE=fp8] [ASYNC_SCHEDULING=1] python3 recipes/profile_decode.py CKPT [concurrency ...]
+    PREFILL=512 python3 recipes/profile_decode.py CKPT   (time to first token of one prompt instead)
 
 Prefills `concurrency` random 512-token prompts, then profiles 8 steady decode steps. With PDL
 kernels overlap, so summed kernel times overstate the step; the second table charges each kernel
 only the time it extends the GPU timeline past everything that started before it (and counts the
 idle gaps), which adds up to the device span of the steps. The host line is the profiled wall time
 less the time the host thread spent inside CUDA synchronize calls and device-to-pageable copies (which
-block until the copy is done): the host work per step.
+block until the copy is done): the host work per step. PREFILL=N profiles one N-token prompt to its
+first token (fresh tokens each time, so prefix caching never hits) with the same tables per prompt.
 """
 
 from __future__ import annotations
@@ -88,8 +90,42 @@ def print_host_profile(engine: LLMEngine, steps: int) -> None:
     pstats.Stats(prof).sort_stats("tottime").print_stats(25)
 
 
+def profile_prefill(ckpt: str, prompt_len: int, runs: int = 3) -> None:
+    """Time to first token of one `prompt_len`-token prompt: wall, device span, idle and kernels."""
+    e = LLMEngine(ckpt, dtype="bfloat16", device="cuda", skip_tokenizer_init=True, max_num_seqs=1,
+                  max_model_len=prompt_len + 16, max_num_batched_tokens=16384, long_prefill_token_threshold=2048)
+    rng = random.Random(0)
+    params = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True, detokenize=False)
+
+    def first_token(i: int) -> None:
+        e.add_request(f"p{i}", [rng.randrange(3, e.model_config.vocab_size) for _ in range(prompt_len)], params)
+        while e.has_unfinished_requests():
+            e.step()
+        torch.cuda.synchronize()
+
+    for i in range(2):  # compiles the shapes
+        first_token(i)
+    walls = []
+    for i in range(5):
+        t0 = time.perf_counter()
+        first_token(10 + i)
+        walls.append((time.perf_counter() - t0) * 1e3)
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        t0 = time.perf_counter()
+        for i in range(runs):
+            first_token(20 + i)
+        wall_us = (time.perf_counter() - t0) * 1e6
+    print(f"\n=== one {prompt_len}-token prompt to its first token: {sorted(walls)[2]:.2f} ms wall (median of 5)")
+    print(prof.key_averages().table(sort_by="self_device_time_total", row_limit=12, max_name_column_width=60))
+    print("(per prompt below: 'step' = one prompt's prefill)")
+    print_timeline(prof, steps=runs, wall_us=wall_us)
+
+
 def main() -> None:
     ckpt = sys.argv[1]
+    if os.environ.get("PREFILL"):
+        profile_prefill(ckpt, int(os.environ["PREFILL"]))
+        return
     for c in [int(a) for a in sys.argv[2:]] or [1]:
         e = LLMEngine(ckpt, dtype="bfloat16", device="cuda", skip_tokenizer_init=True, max_num_seqs=c,
                       max_model_len=1024, max_num_batched_tokens=16384, long_prefill_token_threshold=2048,
