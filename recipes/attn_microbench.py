@@ -80,12 +80,22 @@ def kv_floor_us(tokens: int) -> float:
     return 1e6 * tokens * 2 * KV_HEADS * HEAD_DIM * DT.itemsize / BW
 
 
+def call_floor_us(rows: list[RowSpec]) -> float:
+    """One layer's attention call at peak: the slower of reading its K/V and its QK^T and PV FLOPs."""
+    flops = sum(4 * HEADS * HEAD_DIM * r.num_query * (r.start_pos + (r.num_query + 1) / 2) for r in rows)
+    return max(kv_floor_us(sum(r.end_pos for r in rows)), 1e6 * flops / FLOPS)
+
+
 Inputs = tuple[list[RowSpec], torch.Tensor, torch.Tensor, torch.Tensor]
 
 
 def shape_inputs(spec: list[tuple[int, int, int]], free: list[int]) -> Inputs:
-    """Rows of one microbench shape (each on its own pages) and random q, k, v for its new tokens."""
-    rows = [RowSpec(n, s, d, free[i * 41 : i * 41 + -(-(s + n) // PAGE)]) for i, (n, s, d) in enumerate(spec)]
+    """Rows of one microbench shape (each on its own run of the shuffled pages) and random q, k, v
+    for its new tokens."""
+    starts = [0]
+    for n, s, _ in spec:
+        starts.append(starts[-1] + -(-(s + n) // PAGE))
+    rows = [RowSpec(n, s, d, free[a:b]) for (n, s, d), a, b in zip(spec, starts, starts[1:])]
     t = sum(r.num_query for r in rows)
     q = torch.randn(t, HEADS, HEAD_DIM, device=DEV, dtype=DT)
     k = torch.randn(t, KV_HEADS, HEAD_DIM, device=DEV, dtype=DT)
@@ -97,8 +107,7 @@ def main(backends: list[str]) -> None:
     print(f"{'shape':<24}{'backend':<12}{'us':>9}{'floor us':>10}{'of floor':>9}")
     for name, spec in shapes().items():
         rows, q, k, v = shape_inputs(spec, free)
-        flops = sum(4 * HEADS * HEAD_DIM * r.num_query * (r.start_pos + (r.num_query + 1) / 2) for r in rows)
-        floor_us = max(kv_floor_us(sum(r.end_pos for r in rows)), 1e6 * flops / FLOPS)
+        floor_us = call_floor_us(rows)
         for b in backends:
             backend = get_attention_backend(b, DEV, DT, PAGE)
             meta = backend.prepare(rows, kv)
@@ -248,21 +257,13 @@ def prefill_sweep() -> None:
     configs += [("prompt", m, n, w, st, full) for m, n, w, st in ((64, 64, 4, 2), (64, 32, 4, 2), (128, 64, 4, 2),
                 (128, 128, 8, 3), (64, 64, 4, 1)) for full in (True, False)]  # fmt: skip
     for name, spec in {**prompt_shapes, **decode_shapes}.items():
-        starts = [0]
-        for n, s, _ in spec:
-            starts.append(starts[-1] + -(-(s + n) // PAGE))
-        rows = [RowSpec(n, s, d, free[a:b]) for (n, s, d), a, b in zip(spec, starts, starts[1:])]
-        t = sum(r.num_query for r in rows)
-        q = torch.randn(t, HEADS, HEAD_DIM, device=DEV, dtype=DT)
-        k = torch.randn(t, KV_HEADS, HEAD_DIM, device=DEV, dtype=DT)
-        v = torch.randn_like(k)
-        flops = sum(4 * HEADS * HEAD_DIM * r.num_query * (r.start_pos + (r.num_query + 1) / 2) for r in rows)
-        floor_us = max(kv_floor_us(sum(r.end_pos for r in rows)), 1e6 * flops / FLOPS)
+        rows, q, k, v = shape_inputs(spec, free)
+        floor_us = call_floor_us(rows)
         decode = spec[0][0] == 1
         for kernel, block_m, block_n, warps, stages, full in configs[:1] if decode else configs:
             backend = get_attention_backend("triton", DEV, DT, PAGE)
-            if kernel == "off" or decode:  # decode: the class defaults (decode rows never take the prompt tile)
-                backend.prefill_block_m = block_m if kernel == "off" else backend.prefill_block_m
+            if kernel == "off":  # decode shapes run only this: decode rows never take the prompt tile
+                backend.prefill_block_m = 0
             else:
                 for knob, value in (("block_m", block_m), ("block_n", block_n), ("gqa_block_n", block_n), ("warps", warps),
                                     ("stages", stages), ("full_first", full)):  # fmt: skip

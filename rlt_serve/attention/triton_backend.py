@@ -335,10 +335,13 @@ def tile_shape(max_query: int, group: int, prompt_m: int = 0) -> tuple[int, int]
     tile only when some row has more queries than a narrow one holds; `prompt_m` rows (the prompt
     tile, `TritonAttentionBackend.prefill_block_m`) when some row fills a tile of that height."""
     group_p = next_pow2(group)
-    block_m = 64 if max_query > 16 // group_p else 16
-    if prompt_m and max_query >= prompt_m // group_p:
-        block_m = prompt_m
+    block_m = prompt_m if is_prompt_tile(max_query, group, prompt_m) else 64 if max_query > 16 // group_p else 16
     return block_m, max(1, block_m // group_p)
+
+
+def is_prompt_tile(max_query: int, group: int, prompt_m: int) -> bool:
+    """Whether a call whose longest row has `max_query` queries takes the `prompt_m`-row prompt tile."""
+    return prompt_m > 0 and max_query >= prompt_m // next_pow2(group)
 
 
 def _token_rows(x: torch.Tensor) -> bool:
@@ -473,7 +476,7 @@ class TritonAttentionBackend(AttentionBackend):
         op_scale = _E4M3_SCALE if kv_bits == _E4M3_BITS else 1.0
         block_n = self.block_n if head_dp <= 64 or block_m <= 16 else self.block_n // 2
         warps, stages, full_first = self.num_warps, self.num_stages, False
-        if prompt_m and max(data.num_query) >= prompt_m // group_p:  # the prompt tile (tile_shape)
+        if is_prompt_tile(max(data.num_query), group, prompt_m):
             block_n = self.prefill_block_n if group == 1 else self.prefill_gqa_block_n
             warps, stages = self.prefill_warps, self.prefill_stages
             full_first = self.prefill_full_first
