@@ -119,6 +119,12 @@ def profile_prefill(ckpt: str, prompt_len: int, runs: int = 3) -> None:
     print(prof.key_averages().table(sort_by="self_device_time_total", row_limit=12, max_name_column_width=60))
     print("(per prompt below: 'step' = one prompt's prefill)")
     print_timeline(prof, steps=runs, wall_us=wall_us)
+    host = cProfile.Profile()
+    host.enable()
+    for i in range(runs):
+        first_token(30 + i)
+    host.disable()
+    pstats.Stats(host).sort_stats("cumulative").print_stats(45)
 
 
 def main() -> None:

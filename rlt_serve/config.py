@@ -322,6 +322,9 @@ class EngineConfig:
     # the host's share of a step overlaps the device's. Outputs arrive one step later.
     async_scheduling: bool = False
     cuda_graph_sizes: list[int] | None = None  # decode batch sizes captured; None: 1, 2, 4, 8, then every 8 to max_num_seqs
+    # Prompt-chunk token counts whose core loops are captured too (rows padded up to one of them);
+    # None: 16, 24, 32, 48, ... up to the chunk size and 2048 tokens; []: prompts run eagerly.
+    prefill_graph_sizes: list[int] | None = None
     max_logprobs: int = 20
     seed: int = 0
 
@@ -372,6 +375,10 @@ class EngineConfig:
             not self.cuda_graph_sizes or any(not isinstance(b, int) or b < 1 for b in self.cuda_graph_sizes)
         ):
             raise ConfigError(f"cuda_graph_sizes must be a non-empty list of positive ints, got {self.cuda_graph_sizes}")
+        if self.prefill_graph_sizes is not None and any(
+            not isinstance(q, int) or q < 1 for q in self.prefill_graph_sizes
+        ):
+            raise ConfigError(f"prefill_graph_sizes must be positive ints (or [] for none), got {self.prefill_graph_sizes}")
         if self.num_kv_pages is not None and self.num_kv_pages < 1:
             raise ConfigError(f"num_kv_pages must be >= 1, got {self.num_kv_pages}")
 

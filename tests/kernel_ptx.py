@@ -36,7 +36,7 @@ def main() -> None:
     bf = "*bf16"
     cases = {
         "rope": (fused_ops._rope_kernel, dict.fromkeys(("q_ptr", "k_ptr", "cos_ptr", "sin_ptr"), bf),
-                 {"HALF": 64, "BLOCK": 64, "PDL": False}, {"num_warps": 1}),
+                 {"HALF": 64, "BLOCK": 64, "HEADS": 16, "PDL": False}, {"num_warps": 4}),
         "add_norm": (fused_ops._add_norm_kernel, dict.fromkeys(("x_ptr", "res_ptr", "h_ptr", "y_ptr", "w_pre", "w_post"), bf),
                      {"HAS_PRE": True, "HAS_RES": True, "HAS_POST": True, "BLOCK": 2048, "PDL": False}, {"num_warps": 4}),
         "silu_mul": (fused_ops._silu_mul_kernel, {"gu_ptr": bf, "out_ptr": bf}, {"BLOCK": 1024, "PDL": False},

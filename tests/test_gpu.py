@@ -46,7 +46,8 @@ def test_auto_picks_triton_on_cuda():
 
 
 # -- kernels, one call ----------------------------------------------------------------------
-SPANS = [(1, 700), (300, 0), (1, 5), (64, 200), (17, 33), (1, 0), (1, 129)]
+# (64, 2100): a chunk on a long prefix, where prompt tiles split their key ranges too
+SPANS = [(1, 700), (300, 0), (1, 5), (64, 200), (17, 33), (1, 0), (1, 129), (64, 2100)]
 DECODE = [(1, 1000), (1, 300)]  # few programs, long contexts: the split-KV path and its combine
 
 
@@ -61,7 +62,7 @@ DECODE = [(1, 1000), (1, 300)]  # few programs, long contexts: the split-KV path
 def test_backend_call_matches_torch(backend, dtype, heads, kv_heads, head_dim, page_size, spans, masked):
     _need(backend, dtype)
     pools, rows, (q, k, v), mask = random_attention_call(
-        heads, kv_heads, head_dim, page_size, spans, 0, masked, num_pages=2000 // page_size + len(spans) + 2,
+        heads, kv_heads, head_dim, page_size, spans, 0, masked, num_pages=4500 // page_size + len(spans) + 2,
         depth_slots=4, dtype=dtype, device=CUDA,
     )
     ref = get_attention_backend("torch", CUDA, dtype, page_size)
@@ -256,9 +257,12 @@ def test_loop_graphs_match_eager(tmp_checkpoint, family, mode):
     eager, _ = _steady_decode(path, "float32", 8, params=exit_kw, enforce_eager=True, **mode)
     assert engine.runner.loop_graphs is not None and engine.stats().num_loop_graph_replays > 0
     assert graphed.keys() == eager.keys()
+    # Padded prompt calls change projection shapes, hence cuBLAS's kernels and the last bit of
+    # K/V; float8 KV can turn that bit into one float8 step (1.01e-4 seen on an H100)
+    tol = 1e-3 if mode.get("kv_cache_dtype") == "fp8" else 1e-4
     for rid, (tokens, logprobs) in eager.items():
         assert graphed[rid][0] == tokens, rid
-        assert max(abs(a - b) for a, b in zip(graphed[rid][1], logprobs)) < 1e-4
+        assert max(abs(a - b) for a, b in zip(graphed[rid][1], logprobs)) < tol
 
 
 def test_decode_step_host_syncs(tmp_checkpoint):

@@ -253,6 +253,50 @@ def test_one_loop_rows_through_static_buffers(tmp_checkpoint, mode):
         assert max(abs(a - b) for a, b in zip(got[rid][1], logprobs)) < 1e-5
 
 
+def _padded_prompts(path: str, graphs: bool, **kw) -> tuple[dict, object]:
+    """Prompts of 1-17 tokens in chunks of up to 5 that climb depths together (wavefront), one
+    to several rows a call, arriving at different steps. `graphs` runs their loops through
+    LoopGraphs' padded prompt shapes (2, 4 or 6 tokens a row; uncaptured: the interpreter runs
+    what a graph would replay)."""
+    from rlt_serve.engine.loop_graph import LoopGraphs
+
+    engine = LLMEngine(path, dtype="float32", device="cpu", skip_tokenizer_init=True, attention_backend="triton",
+                       page_size=4, long_prefill_token_threshold=5, max_num_batched_tokens=24, max_num_seqs=4,
+                       cuda_graph_sizes=[1, 2, 4], **kw)  # fmt: skip
+    if graphs:
+        engine.runner.loop_graphs = LoopGraphs(engine.runner, [], capture=False, prompt_tokens=[2, 4, 6])
+    rng = random.Random(7)
+    lengths = [17, 3, 1, 9, 12, 6]
+    done, step = {}, 0
+    while step < 2 * len(lengths) or engine.has_unfinished_requests():
+        if step % 2 == 0 and step // 2 < len(lengths):
+            i = step // 2
+            prompt = [rng.randrange(3, 384) for _ in range(lengths[i])]
+            exit_kw = dict(exit_threshold=0.5) if "kv_layout" in kw and i % 2 else {}
+            engine.add_request(str(i), prompt, SamplingParams(temperature=0, max_tokens=3, ignore_eos=True, logprobs=1,
+                                                              **exit_kw))  # fmt: skip
+        done.update({o.request_id: o.outputs[0] for o in engine.step() if o.finished})
+        step += 1
+    assert engine.num_free_pages == engine.num_pages
+    out = {r: (c.token_ids, [lp[t].logprob for t, lp in zip(c.token_ids, c.logprobs)]) for r, c in done.items()}
+    return out, engine.stats()
+
+
+@pytest.mark.parametrize("family,mode", [("ouro", {}), ("ouro", dict(kv_layout="last_exited")), ("huginn", {})])
+def test_prompt_loops_through_padded_static_buffers(tmp_checkpoint, family, mode):
+    """Prompt chunks padded to a captured token count (padding with no query and no K/V write,
+    outputs dropped) give the eager tokens and logprobs, early-exit write masks included."""
+    over = dict(num_attention_heads=4, num_key_value_heads=2, head_dim=16) if family == "ouro" else {}
+    path = tmp_checkpoint(family, seed=8, **over)
+    want, _ = _padded_prompts(path, False, **mode)
+    got, st = _padded_prompts(path, True, **mode)
+    assert st.num_loop_graph_replays > 0
+    assert got.keys() == want.keys() and len(got) == 6
+    for rid, (tokens, logprobs) in want.items():
+        assert got[rid][0] == tokens, rid
+        assert max(abs(a - b) for a, b in zip(got[rid][1], logprobs)) < 1e-5
+
+
 def _graph_decode(path: str, graphs: bool, async_scheduling: bool) -> tuple[dict, object]:
     """Requests arriving and finishing at different steps, so decode batches shrink and pad."""
     from rlt_serve.engine.cuda_graph import DecodeGraphs
@@ -310,13 +354,21 @@ def test_fused_ops_match_torch():
         torch.testing.assert_close(h, want_h)
         if q is not None:
             torch.testing.assert_close(y, fused_ops.rms_norm_torch(want_h, q.weight, q.eps))
-    qkv = torch.randn(3, (4 + 2 + 2) * 16, generator=g)  # strided views of one fused projection
-    q, k, _ = qkv.split([64, 32, 32], dim=-1)
-    q, k = q.view(3, 4, 16), k.view(3, 2, 16)
-    cos, sin = torch.randn(3, 1, 16, generator=g), torch.randn(3, 1, 16, generator=g)
-    want_q, want_k = fused_ops.rope_torch(q, cos, sin), fused_ops.rope_torch(k, cos, sin)
-    got_q, got_k = fused_ops._rope_triton(q, k, cos, sin)
-    torch.testing.assert_close(got_q, want_q)
-    torch.testing.assert_close(got_k, want_k)
+    # strided views of one fused projection: all heads in one program; blocks of 2 heads with
+    # q's last block part-filled (3 heads); one head a program (too few tokens to fill programs)
+    for q_heads, tile, min_programs in [(4, 1024, 1), (3, 16, 1), (4, 1024, 128)]:
+        qkv = torch.randn(3, (q_heads + 2 + 2) * 16, generator=g)
+        q, k, _ = qkv.split([q_heads * 16, 32, 32], dim=-1)
+        q, k = q.view(3, q_heads, 16), k.view(3, 2, 16)
+        cos, sin = torch.randn(3, 1, 16, generator=g), torch.randn(3, 1, 16, generator=g)
+        want_q, want_k = fused_ops.rope_torch(q, cos, sin), fused_ops.rope_torch(k, cos, sin)
+        want_v = qkv[:, -32:].clone()
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(fused_ops, "ROPE_TILE", tile)
+            mp.setattr(fused_ops, "ROPE_MIN_PROGRAMS", min_programs)
+            got_q, got_k = fused_ops._rope_triton(q, k, cos, sin)
+        torch.testing.assert_close(got_q, want_q)
+        torch.testing.assert_close(got_k, want_k)
+        torch.testing.assert_close(qkv[:, -32:], want_v)  # v untouched
     gu = torch.randn(4, 2 * 24, generator=g)
     torch.testing.assert_close(fused_ops._silu_mul_triton(gu), torch.nn.functional.silu(gu[:, :24]) * gu[:, 24:])

@@ -72,6 +72,18 @@ def default_sizes(max_num_seqs: int) -> list[int]:
     return sorted(set(sizes))
 
 
+PROMPT_GRAPH_TOKENS = 2048  # past this a prompt loop's kernels outlast its launches: eager costs nothing
+
+
+def default_prompt_sizes(chunk: int, budget: int) -> list[int]:
+    """16, 24, 32, 48, 64, ...: powers of two and halfway between, up to the longest prompt chunk
+    (`long_prefill_token_threshold`, within the token budget) and PROMPT_GRAPH_TOKENS; padding
+    a chunk to the next size wastes at most a third of its kernels' time."""
+    limit = min(chunk, budget, PROMPT_GRAPH_TOKENS)
+    sizes = [q for p in range(4, 12) for q in (1 << p, 3 << (p - 1)) if q <= limit]
+    return sorted(set(sizes + [limit]))
+
+
 class DecodeGraphs:
     """Captured decode steps of `num_loops` loops, one graph per batch size. `capture=False` runs
     the same buffered step eagerly (the CPU tests check the buffers with Triton's interpreter)."""

@@ -16,7 +16,7 @@ import torch
 from rlt_serve.attention import RowSpec, get_attention_backend
 from rlt_serve.config import ConfigError, EngineConfig, ModelConfig, core_ring_slots, parse_kv_cache_dtype
 from rlt_serve.engine.async_step import PendingTokens
-from rlt_serve.engine.cuda_graph import DecodeGraphs, graph_support
+from rlt_serve.engine.cuda_graph import DecodeGraphs, default_prompt_sizes, graph_support
 from rlt_serve.engine.loop_graph import LoopGraphs
 from rlt_serve.engine.kv_cache import KVCache
 from rlt_serve.engine.exit_criteria import exit_step, needs_distribution, new_exit_state, record_exit_depths
@@ -107,9 +107,15 @@ class ModelRunner:
         if self.graphs_disabled is None:
             self.graphs = DecodeGraphs(self, model_config.num_loops)
             ec = engine_config
+            row_tokens: list[int] = []
             if ec.num_speculative_tokens or self.fills_deeper_slots:  # rows that stop short of full depth
                 verify = draft_lengths(ec.num_speculative_tokens, ec.speculative_adaptive) if ec.num_speculative_tokens else []
-                self.loop_graphs = LoopGraphs(self, [1, *verify], pool=self.graphs.pool)
+                row_tokens = [1, *verify]
+            prompt = ec.prefill_graph_sizes
+            if prompt is None:
+                prompt = default_prompt_sizes(ec.long_prefill_token_threshold, ec.max_num_batched_tokens)
+            if row_tokens or prompt:
+                self.loop_graphs = LoopGraphs(self, row_tokens, pool=self.graphs.pool, prompt_tokens=prompt)
 
     def _num_pages(self) -> int:
         ec, mc = self.engine_config, self.model_config
