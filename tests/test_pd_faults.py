@@ -302,7 +302,7 @@ def test_decode_worker_killed_mid_stream(server: Server, model: str) -> None:
     results: dict[int, str] = {}
 
     def stream(i: int) -> None:
-        body = {**_body(model, 10, 30 + i, max_tokens=300), "stream": True}
+        body = {**_body(model, 10, 30 + i, max_tokens=480), "stream": True}
         outcome = "no end"
         with httpx.stream("POST", server.base_url + "/v1/completions", json=body, timeout=60) as r:
             for line in r.iter_lines():
@@ -320,7 +320,9 @@ def test_decode_worker_killed_mid_stream(server: Server, model: str) -> None:
     for t in threads:
         t.start()
     m_key = 'rlt:num_requests_running{worker="d0"}'
-    server.wait_for(lambda: len(results) == 4 and server.metrics().get(m_key, 0) >= 1, 30, "streams on d0")
+    # Kill d0 while it streams. Not waiting for all four to start: on a loaded 2-core CI machine the
+    # first streams could finish before the last one started (seen); one not yet placed goes to d1.
+    server.wait_for(lambda: results and server.metrics().get(m_key, 0) >= 1, 30, "a stream on d0")
     os.kill(server.pid("d0"), signal.SIGKILL)
     for t in threads:
         t.join(60)
