@@ -177,28 +177,24 @@ class LoopGraphs:
         if self._copied is not None:
             self._copied.record()
         t = sum(lens)
-        if padded:  # token j of row i sits at i * q + j
-            index = to_device([i * q + j for i, k in enumerate(lens) for j in range(k)], torch.long, runner.device)
-        if write_mask is not None:  # exited tokens write no K/V: the flags stay on the device
-            if padded:
-                self._dev("mask", b * q).index_copy_(0, index, write_mask.to(torch.int32))
-            else:
-                self._dev("mask", t).copy_(write_mask)
+        index = None  # padded: token j of row i sits at i * q + j
         if padded:
-            self.hidden.index_copy_(0, index, hidden)
-            if self.injected is not None:
-                self.injected.index_copy_(0, index, injected)
-        else:
-            self.hidden[:t].copy_(hidden)
-            if self.injected is not None:
-                self.injected[:t].copy_(injected)
+            index = to_device([i * q + j for i, k in enumerate(lens) for j in range(k)], torch.long, runner.device)
+
+        def place(dst: torch.Tensor, src: torch.Tensor) -> None:
+            dst.index_copy_(0, index, src.to(dst.dtype)) if index is not None else dst[:t].copy_(src)
+
+        def take(x: torch.Tensor) -> torch.Tensor:
+            return x.index_select(0, index) if index is not None else x[:t].clone()
+
+        if write_mask is not None:  # exited tokens write no K/V: the flags stay on the device
+            place(self._dev("mask", b * q), write_mask)
+        place(self.hidden, hidden)
+        if self.injected is not None:
+            place(self.injected, injected)
         if not self.capture:
             out = self._forward(b, q, prompt)
         else:
             graph, out = self.graphs[(b, q, prompt)]
             graph.replay()
-        if padded:
-            gate = out.gate_logits.index_select(0, index) if out.gate_logits is not None else None
-            return CoreOutput(out.hidden.index_select(0, index), gate)
-        gate = out.gate_logits[:t].clone() if out.gate_logits is not None else None
-        return CoreOutput(out.hidden[:t].clone(), gate)
+        return CoreOutput(take(out.hidden), take(out.gate_logits) if out.gate_logits is not None else None)
