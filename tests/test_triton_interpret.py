@@ -290,7 +290,7 @@ def test_prompt_loops_through_padded_static_buffers(tmp_checkpoint, family, mode
     path = tmp_checkpoint(family, seed=8, **over)
     want, _ = _padded_prompts(path, False, **mode)
     got, st = _padded_prompts(path, True, **mode)
-    assert st.num_loop_graph_replays > 0
+    assert 0 < st.num_loop_graph_replays < st.num_loop_calls  # wavefronts of > 4 rows run eagerly
     assert got.keys() == want.keys() and len(got) == 6
     for rid, (tokens, logprobs) in want.items():
         assert got[rid][0] == tokens, rid

@@ -222,6 +222,7 @@ def test_heartbeat_and_metrics(worker: WorkerClient) -> None:
         assert f"\n{name}" in text, name
     assert 'rlt:request_success_total{finished_reason="abort"}' in text
     assert "rlt:exit_depth_bucket" in text
+    assert 'rlt:cuda_graph_replays_total{kind="loop"} 0.0' in text  # a CPU worker replays none
 
 
 def test_shutdown_drains_and_exits_zero(model_dir: str, tmp_path: Path) -> None:

@@ -48,6 +48,8 @@ COUNTERS = (
     "rlt:request_success_total",  # label finished_reason: stop | length | abort | error
     "rlt:core_calls_total",
     "rlt:core_call_row_tokens_total",
+    "rlt:cuda_graph_steps_total",  # label kind: decode (fused decode steps) | loop (one-loop calls)
+    "rlt:cuda_graph_replays_total",  # label kind: those of them that replayed a graph
     "rlt:prefix_cache_queries_total",  # tokens looked up in the prefix cache
     "rlt:prefix_cache_hits_total",  # tokens found there
     "rlt:spec_decode_num_drafts_total",
@@ -118,6 +120,17 @@ class _StatsCollector(Collector):
             success.add_metric([reason], count)
         yield success
         yield counter("rlt:core_calls_total", "Core calls (one batched forward over rows).", st.num_core_calls)
+        steps = CounterMetricFamily(
+            "rlt:cuda_graph_steps", "Steps that could replay a CUDA graph, by kind: fused decode steps "
+            "(every loop) and one-loop calls (prompt chunks, drafts, early-exit rows).", labels=["kind"],
+        )  # fmt: skip
+        replays = CounterMetricFamily("rlt:cuda_graph_replays", "Of those, steps that replayed one.", labels=["kind"])
+        for kind, n, hit in (("decode", st.num_fused_decode_steps, st.num_cuda_graph_replays),
+                             ("loop", st.num_loop_calls, st.num_loop_graph_replays)):  # fmt: skip
+            steps.add_metric([kind], n)
+            replays.add_metric([kind], hit)
+        yield steps
+        yield replays
         yield counter(
             "rlt:core_call_row_tokens_total",
             "Tokens over all rows of all core calls (token x depth).",

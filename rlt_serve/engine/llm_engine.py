@@ -60,7 +60,8 @@ class EngineStats:
     exit_depth_counts: dict[int, int] = field(default_factory=dict)  # depth a token left the core -> tokens
     num_fused_decode_steps: int = 0  # decode batches that ran every loop in one step
     num_cuda_graph_replays: int = 0  # ... of which replayed a captured CUDA graph
-    num_loop_graph_replays: int = 0  # one-loop steps (drafts, early exit) replayed as a graph
+    num_loop_calls: int = 0  # one-loop core calls (prompt chunks, drafts, early-exit rows)
+    num_loop_graph_replays: int = 0  # ... of which replayed a graph
     # Depth of the state each plainly sampled token's logits came from (its decode row's exit
     # depth; speculative tokens are full depth by construction and are not counted here).
     sample_depth_counts: dict[int, int] = field(default_factory=dict)
@@ -373,6 +374,7 @@ class LLMEngine:
         st.num_row_tokens += result.num_core_tokens
         st.num_fused_decode_steps += result.num_fused_decode
         st.num_cuda_graph_replays += result.num_graph_replays
+        st.num_loop_calls += result.num_loop_calls
         st.num_loop_graph_replays += result.num_loop_graph_replays
         for seq, span in self.scheduler.advance(sched):
             st.num_prompt_tokens += max(0, min(span.end, seq.num_prompt_tokens) - span.start)

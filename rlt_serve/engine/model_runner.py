@@ -49,7 +49,8 @@ class RunnerOutput:
     num_core_tokens: int = 0  # row tokens over every core loop this step ran
     num_fused_decode: int = 0  # batches of decode tokens that ran every loop in this step
     num_graph_replays: int = 0  # ... of which replayed a CUDA graph
-    num_loop_graph_replays: int = 0  # one-loop core calls replayed as a graph (LoopGraphs)
+    num_loop_calls: int = 0  # one-loop core calls (prompt chunks, drafts, early-exit rows)
+    num_loop_graph_replays: int = 0  # ... of which replayed a graph (LoopGraphs)
 
     def merge(self, other: "RunnerOutput") -> None:
         """Append `other` (rows disjoint from this output's) to this output: lists extend,
@@ -279,7 +280,7 @@ class ModelRunner:
             self._fill_deeper_slots(fills)
         out = self._coda([(seq, span) for seq, span in rows if span.finished])
         out.num_core_calls, out.num_core_tokens = 1, sum(span.num_tokens for _, span in rows)
-        out.num_loop_graph_replays = int(graphed)
+        out.num_loop_calls, out.num_loop_graph_replays = 1, int(graphed)
         return out
 
     def _check_logits(self, rows: list[Row], hidden: torch.Tensor) -> dict[int, torch.Tensor]:
