@@ -416,6 +416,8 @@ def bench(cfg: BenchConfig) -> dict[str, Any]:
         "disabled": engine.runner.graphs_disabled,
         "fused_decode_steps": fused,
         "replays": after.num_cuda_graph_replays,
+        "loop_calls": after.num_loop_calls,  # one-loop core calls: prompt chunks, drafts, early-exit rows
+        "loop_replays": after.num_loop_graph_replays,
     }
     sites: dict[str, int] = {}
     result["host_syncs_per_decode_step"] = count_decode_syncs(engine, min(n_prompts, cfg.concurrency), mc.vocab_size,
@@ -518,6 +520,9 @@ def render(res: dict[str, Any]) -> str:
         hit = g["replays"] / g["fused_decode_steps"] if g["fused_decode_steps"] else float("nan")
         why = f" (none: {g['disabled']})" if g["disabled"] else f" sizes {g['sizes'][0]}..{g['sizes'][-1]}"
         lines.append(f"{'CUDA-graph hit rate (decode steps)':<34}{hit:>12.1%}   {g['replays']}/{g['fused_decode_steps']}{why}")
+        if g.get("loop_calls"):
+            hit = g["loop_replays"] / g["loop_calls"]
+            lines.append(f"{'  ... of one-loop calls (prompts)':<34}{hit:>12.1%}   {g['loop_replays']}/{g['loop_calls']}")
     if res.get("host_syncs_per_decode_step") is not None:
         where = ", ".join(f"{k.rsplit('/', 1)[-1]} x{v}" for k, v in res.get("host_sync_sites", {}).items())
         lines.append(f"{'host syncs per decode step':<34}{res['host_syncs_per_decode_step']:>12.3g}   {where}")
