@@ -147,7 +147,10 @@ class LLMEngine:
         mc = self.model_config
         per_token = kv.bytes_per_token(kv.num_planes, mc.num_key_value_heads, mc.head_dim, kv.dtype)
         layout = self.engine_config.huginn_cache or self.engine_config.kv_layout
-        loops = f", one-loop graphs in {r.loop_graphs.capture_seconds:.1f} s" if r.loop_graphs is not None else ""
+        lg, loops = r.loop_graphs, ""
+        if lg is not None:
+            upto = f" (prompt chunks up to {lg.prompt_tokens[-1]} tokens)" if lg.prompt_tokens else ""
+            loops = f", {len(lg.graphs)} one-loop graphs{upto} in {lg.capture_seconds:.1f} s"
         graphs = (f"CUDA graphs for decode batch sizes {r.graphs.sizes} ({r.graphs.capture_seconds:.1f} s to capture{loops})"
                   if r.graphs is not None else f"no CUDA graphs ({r.graphs_disabled})")
         return (
