@@ -24,6 +24,7 @@ import sys
 import tempfile
 import time
 from collections import defaultdict
+from typing import Callable
 
 import torch
 from torch.profiler import ProfilerActivity, profile
@@ -78,16 +79,16 @@ def print_timeline(prof: profile, steps: int, wall_us: float) -> None:
         print(f"{kind:<12}{count[kind] / steps:>11.0f}{t / steps / 1e3:>9.3f}{t / count[kind]:>9.2f}")
 
 
-def print_host_profile(engine: LLMEngine, steps: int) -> None:
-    """The Python functions the host spends its step in (cProfile inflates each call, so read the
-    ranking, not the absolute times)."""
+def print_host_profile(run: Callable[[], None], times: int, sort: str = "tottime", lines: int = 25) -> None:
+    """The Python functions the host spends `times` calls of `run` in (cProfile inflates each call,
+    so read the ranking, not the absolute times)."""
     prof = cProfile.Profile()
     prof.enable()
-    for _ in range(steps):
-        engine.step()
+    for _ in range(times):
+        run()
     torch.cuda.synchronize()
     prof.disable()
-    pstats.Stats(prof).sort_stats("tottime").print_stats(25)
+    pstats.Stats(prof).sort_stats(sort).print_stats(lines)
 
 
 def profile_prefill(ckpt: str, prompt_len: int, runs: int = 3) -> None:
@@ -119,12 +120,8 @@ def profile_prefill(ckpt: str, prompt_len: int, runs: int = 3) -> None:
     print(prof.key_averages().table(sort_by="self_device_time_total", row_limit=12, max_name_column_width=60))
     print("(per prompt below: 'step' = one prompt's prefill)")
     print_timeline(prof, steps=runs, wall_us=wall_us)
-    host = cProfile.Profile()
-    host.enable()
-    for i in range(runs):
-        first_token(30 + i)
-    host.disable()
-    pstats.Stats(host).sort_stats("cumulative").print_stats(45)
+    ids = iter(range(30, 30 + runs))
+    print_host_profile(lambda: first_token(next(ids)), runs, sort="cumulative", lines=45)
 
 
 def main() -> None:
@@ -160,7 +157,7 @@ def main() -> None:
         print(f"\n=== c={c}, KV {kv}: {step_ms:.2f} ms/step wall, {cuda_total:.2f} ms/step device (kernels)")
         print(ka.table(sort_by="self_device_time_total", row_limit=18, max_name_column_width=60))
         print_timeline(prof, steps=8, wall_us=wall_us)
-        print_host_profile(e, steps=8)
+        print_host_profile(e.step, 8)
         e = None
         free_device_memory(torch.device("cuda"))
 

@@ -150,7 +150,8 @@ class LoopGraphs:
         if self._copied is not None:
             self._copied.synchronize()  # the previous step's copy has left the host buffer
         lens = [span.num_tokens for _, span in rows] + [0] * (b - len(rows))
-        padded = any(span.num_tokens != q for _, span in rows)  # else row i's tokens are [i * q, (i + 1) * q)
+        # Row i's tokens are [i * q, i * q + its tokens): contiguous unless a row before the last is short.
+        padded = any(span.num_tokens != q for _, span in rows[:-1])
         pos, slot_ids, mask, depth = [], [], [], []
         slots = [runner.depth_slot(span.depth) for _, span in rows]
         for (seq, span), s in zip(rows, slots):
