@@ -54,6 +54,10 @@ CANDIDATES = {
         GemvConfig(8, 512, 1, 0, 4, 1), GemvConfig(4, 1024, 1, 0, 4, 1), GemvConfig(8, 1024, 1, 0, 8, 1),
         GemvConfig(8, 512, 2, 0, 4, 1), GemvConfig(4, 512, 1, 0, 2, 1), GemvConfig(16, 512, 1, 0, 4, 1),
         GemvConfig(8, 256, 1, 0, 2, 1), GemvConfig(8, 512, 1, 0, 4, 2), GemvConfig(64, 128, 1, 2, 4, 4),
+        # narrow tensor-core tiles, deep pipelines: more W bytes in flight per program than mode 0's
+        GemvConfig(16, 256, 1, 2, 4, 4), GemvConfig(16, 256, 1, 2, 4, 6), GemvConfig(16, 512, 1, 2, 4, 3),
+        GemvConfig(32, 128, 1, 2, 4, 6), GemvConfig(32, 256, 1, 2, 4, 4), GemvConfig(16, 128, 1, 2, 4, 8),
+        GemvConfig(32, 256, 1, 2, 8, 5), GemvConfig(16, 512, 1, 2, 8, 4),
     ],
     (True, True): [
         GemvConfig(4, 512, 1, 0, 4, 1), GemvConfig(8, 512, 1, 0, 4, 1), GemvConfig(4, 1024, 1, 0, 8, 1),

@@ -120,6 +120,27 @@ def test_wider_rows_under_rlt_gemv_max_m(monkeypatch):
     assert epilogue_fits(64, torch.empty(4 * 128 + 2 * 2 * 128, 80), QKVEpilogue(cos, sin, 4, 2, 128, None))
 
 
+def test_rlt_gemv_tiles_overrides_m1_tiles(monkeypatch):
+    """RLT_GEMV_TILES picks the tile of one weight shape at M=1 (others and M>1 keep the defaults),
+    the narrow tensor-core tile it names is exact, and a malformed entry is a clear error."""
+    g = torch.Generator().manual_seed(8)
+    monkeypatch.setenv("RLT_GEMV_TILES", "96x80=16,32,1,2,4,3; 48x80:silu=32,32,1,2,4,2")
+    assert gemv_mod.default_config(1, 96, 80, False) == GemvConfig(16, 32, 1, 2, 4, 3)
+    assert gemv_mod.default_config(1, 48, 80, True) == GemvConfig(32, 32, 1, 2, 4, 2)
+    monkeypatch.delenv("RLT_GEMV_TILES")
+    defaults = gemv_mod.default_config(1, 96, 80, False), gemv_mod.default_config(2, 96, 80, False)
+    monkeypatch.setenv("RLT_GEMV_TILES", "96x80=16,32,1,2,4,3")
+    assert gemv_mod.default_config(2, 96, 80, False) == defaults[1]
+    assert gemv_mod.default_config(1, 96, 81, False) != GemvConfig(16, 32, 1, 2, 4, 3)
+    x = torch.randn(1, 80, generator=g).half()
+    w = (torch.randn(96, 80, generator=g) * 80**-0.5).half()
+    _assert_rounded_like(gemv(x, w), _want(x, w, False))
+    assert defaults[0] != GemvConfig(16, 32, 1, 2, 4, 3)
+    monkeypatch.setenv("RLT_GEMV_TILES", "96x80=16,32")
+    with pytest.raises(ValueError, match="RLT_GEMV_TILES"):
+        gemv_mod.default_config(1, 96, 80, False)
+
+
 def test_bad_shapes_are_rejected():
     with pytest.raises(ValueError, match="do not fit"):
         gemv(torch.ones(1, 8), torch.ones(4, 9))

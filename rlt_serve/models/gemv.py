@@ -243,12 +243,35 @@ def _reduce_kernel(
     tl.store(y_ptr + m * stride_ym + cols, res, mask=ok)
 
 
+def _tile_overrides(spec: str) -> dict[tuple[int, int, bool], GemvConfig]:
+    """`RLT_GEMV_TILES` = "NxK=n,k,split,mode,warps,stages;..." (N output columns, `NxK:silu` for
+    gate|up): tiles for M=1 calls of those weights, so recipes/decode_variants.py can time a tile
+    from recipes/gemv_bench.py end to end before it becomes a default."""
+    out: dict[tuple[int, int, bool], GemvConfig] = {}
+    for item in filter(None, (part.strip() for part in spec.split(";"))):
+        try:
+            shape, tile = item.split("=")
+            dims, _, kind = shape.partition(":")
+            n, k = (int(v) for v in dims.lower().split("x"))
+            fields = [int(v) for v in tile.split(",")]
+            if len(fields) != len(GemvConfig._fields):
+                raise ValueError(f"{len(fields)} numbers")
+            out[n, k, kind == "silu"] = GemvConfig(*fields)
+        except (ValueError, TypeError) as e:
+            raise ValueError(f"RLT_GEMV_TILES: cannot read {item!r} (want NxK[:silu]=n,k,split,mode,warps,stages)") from e
+    return out
+
+
 def default_config(m: int, n: int, k: int, silu: bool) -> GemvConfig:
     """Tiles per shape class, fixed from recipes/gemv_bench.py on the H200 (2026-12-03; Ouro gate|up
     2026-12-04; GB/s at M=1 against cuBLAS in the comments). `n` counts output columns (for gate|up:
     the intermediate size). Ouro's o_proj takes K whole in one tile (2026-12-04): under PDL its
     programs launch while attention still runs and stream all of W before waiting for it, which
     took c=1 decode from 5.46 to 4.93 ms a step (recipes/ouro.md); alone it is no faster."""
+    if m == 1 and (spec := os.environ.get("RLT_GEMV_TILES")):
+        override = _tile_overrides(spec).get((n, k, silu))
+        if override is not None:
+            return override
     rows = 2 * n if silu else n  # rows of W streamed
     if silu:  # gate|up, 64 or 128 output columns a program, W @ x^T on the tensor cores
         if k >= 3072:
