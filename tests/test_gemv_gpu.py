@@ -32,8 +32,10 @@ def _ulps(got: torch.Tensor, want: torch.Tensor) -> float:
     return ((got.float() - w).abs() / ulp).max().item()
 
 
+@pytest.mark.parametrize("preload", ["0", "1"])
 @pytest.mark.parametrize("rows,k,silu", SHAPES)
-def test_gemv_matches_cublas_bf16(rows, k, silu):
+def test_gemv_matches_cublas_bf16(rows, k, silu, preload, monkeypatch):
+    monkeypatch.setenv("RLT_GEMV_PRELOAD", preload)  # the tensor-core tiles' first W tile before the PDL wait
     g = torch.Generator(device="cuda").manual_seed(rows + k)
     w = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16, generator=g) * k**-0.5
     for m in range(1, gemv_mod.MAX_M + 1):
@@ -43,6 +45,10 @@ def test_gemv_matches_cublas_bf16(rows, k, silu):
         assert got.shape == want.shape and got.dtype == torch.bfloat16
         assert _ulps(got, want) <= 2.0, (m, _ulps(got, want))  # gate and up may each round differently
         assert torch.equal(got, gemv(x, w, silu=silu)), "not deterministic"
+    if not silu and k <= 6144:  # narrow tensor-core tiles at M=1 (RLT_GEMV_TILES candidates), split K too
+        x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16, generator=g)
+        for cfg in (gemv_mod.GemvConfig(16, 256, 1, 2, 4, 6), gemv_mod.GemvConfig(32, 256, 2, 2, 8, 4)):
+            assert _ulps(gemv(x, w, config=cfg), F.linear(x, w)) <= 2.0, cfg
 
 
 @pytest.mark.parametrize("heads,kv_heads,k", [(16, 16, 2048), (48, 8, 3072)])  # Ouro-1.4B, Nanbeige4.2

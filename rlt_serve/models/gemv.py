@@ -117,14 +117,15 @@ def _gemv_kernel(
     stride_plane, stride_slot, n_q_heads, n_kv_heads,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PARTIAL: tl.constexpr,
     SILU: tl.constexpr, MODE: tl.constexpr, ROPE: tl.constexpr, HEAD_D: tl.constexpr, KV_WRITE: tl.constexpr,
-    HAS_WMASK: tl.constexpr, PAIRED: tl.constexpr, PDL: tl.constexpr,
+    HAS_WMASK: tl.constexpr, PAIRED: tl.constexpr, PDL: tl.constexpr, PRELOAD: tl.constexpr,
 ):  # fmt: skip
     """Program (n block, k split): outputs [n0, n0+BLOCK_N) over K range [s*k_split, (s+1)*k_split).
     With SILU, up rows sit `up_off` rows below the gate rows. PARTIAL stores fp32 partials
     [split, M, N] (with SILU the up partials follow, another [split, M, N]) for _reduce_kernel.
     With ROPE (a qkv projection) a program takes BLOCK_N rotation pairs of one head, rows j and
     j + HEAD_D/2 (as SILU takes gate and up rows), and ends in _rope_kv_epilogue. PAIRED: SILU or ROPE.
-    With PDL the first W tile (MODE 0) is loaded before waiting for the kernel that wrote x."""
+    With PDL the first W tile is loaded before waiting for the kernel that wrote x (MODE 0, and
+    the tensor-core modes with PRELOAD)."""
     if PDL:
         tl.extra.cuda.gdc_launch_dependents()
     pid_n = tl.program_id(0)
@@ -151,7 +152,7 @@ def _gemv_kernel(
         acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
         acc_u = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     k_start = k_lo
-    if PDL and MODE == 0:  # the first tile of W streams in while the previous kernel drains
+    if PDL and (MODE == 0 or PRELOAD):  # the first tile of W streams in while the previous kernel drains
         ks = k_lo + tl.arange(0, BLOCK_K)
         k_ok = ks < K
         w_mask = n_ok[:, None] & k_ok[None, :]
@@ -160,11 +161,20 @@ def _gemv_kernel(
             wu = tl.load(w_rows + up_off * stride_wn + ks[None, :], mask=w_mask, other=0.0)
     if PDL:
         tl.extra.cuda.gdc_wait()
-        if MODE == 0:
+        if MODE == 0 or PRELOAD:
             x = tl.load(x_rows + ks[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
-            acc += w.to(tl.float32) * x.to(tl.float32)
-            if PAIRED:
-                acc_u += wu.to(tl.float32) * x.to(tl.float32)
+            if MODE == 0:
+                acc += w.to(tl.float32) * x.to(tl.float32)
+                if PAIRED:
+                    acc_u += wu.to(tl.float32) * x.to(tl.float32)
+            elif MODE == 1:
+                acc = tl.dot(x, tl.trans(w), acc)
+                if PAIRED:
+                    acc_u = tl.dot(x, tl.trans(wu), acc_u)
+            else:
+                acc = tl.dot(w, tl.trans(x), acc)
+                if PAIRED:
+                    acc_u = tl.dot(wu, tl.trans(x), acc_u)
             k_start = k_lo + BLOCK_K
     for k0 in range(k_start, k_lo + k_split, BLOCK_K):
         ks = k0 + tl.arange(0, BLOCK_K)
@@ -341,6 +351,7 @@ def gemv(
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=cfg.block_k, PARTIAL=split > 1, SILU=silu, MODE=cfg.mode,
         ROPE=epi is not None, HEAD_D=epi.head_dim if epi is not None else 2, KV_WRITE=kvw is not None,
         HAS_WMASK=kvw is not None and kvw.write_mask is not None, PAIRED=silu or epi is not None,
+        PRELOAD=cfg.mode != 0 and preload_tensor_core(),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **launch, **(EXACT_ROUNDING if epi is not None else {}),
     )  # fmt: skip
     if split > 1:
@@ -382,6 +393,12 @@ def _k_split(k: int, cfg: GemvConfig) -> tuple[int, int]:
     """(K per split, splits): whole K blocks per split."""
     k_split = -(-k // (cfg.split_k * cfg.block_k)) * cfg.block_k
     return k_split, -(-k // k_split)
+
+
+def preload_tensor_core() -> bool:
+    """`RLT_GEMV_PRELOAD=1`: the tensor-core tiles (gate|up at M=1, every tile at M>1) also load
+    their first W tile before the PDL wait, as the elementwise tiles do; off until measured."""
+    return os.environ.get("RLT_GEMV_PRELOAD", "0") == "1"
 
 
 def use_gemv(x: torch.Tensor, w: torch.Tensor, silu: bool = False) -> bool:
