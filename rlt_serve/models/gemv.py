@@ -29,6 +29,7 @@ host syncs, and nothing is allocated but the output (and the split-K partials) v
 
 from __future__ import annotations
 
+import functools
 import os
 from typing import Any, NamedTuple
 
@@ -110,6 +111,17 @@ def _rope_kv_epilogue(out_lo, out_hi, y_ptr, stride_ym, ms, m_ok, mask, rows, j0
         tl.store(v_cache + at + half, y2.to(kt), mask=v_ok)
 
 
+@device_function
+def _accumulate(acc, w, x, MODE: tl.constexpr):
+    """acc += one W tile [BLOCK_N, BLOCK_K] times x's tile [BLOCK_M, BLOCK_K], in the mode's layout."""
+    if MODE == 0:  # BLOCK_M == 1: x is [1, BLOCK_K], broadcast over the rows of W
+        return acc + w.to(tl.float32) * x.to(tl.float32)
+    elif MODE == 1:
+        return tl.dot(x, tl.trans(w), acc)
+    else:
+        return tl.dot(w, tl.trans(x), acc)
+
+
 def _gemv_kernel(
     x_ptr, w_ptr, y_ptr, part_ptr, M, N, K, k_split, split, up_off,
     stride_xm, stride_wn, stride_ym,
@@ -163,18 +175,9 @@ def _gemv_kernel(
         tl.extra.cuda.gdc_wait()
         if MODE == 0 or PRELOAD:
             x = tl.load(x_rows + ks[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
-            if MODE == 0:
-                acc += w.to(tl.float32) * x.to(tl.float32)
-                if PAIRED:
-                    acc_u += wu.to(tl.float32) * x.to(tl.float32)
-            elif MODE == 1:
-                acc = tl.dot(x, tl.trans(w), acc)
-                if PAIRED:
-                    acc_u = tl.dot(x, tl.trans(wu), acc_u)
-            else:
-                acc = tl.dot(w, tl.trans(x), acc)
-                if PAIRED:
-                    acc_u = tl.dot(wu, tl.trans(x), acc_u)
+            acc = _accumulate(acc, w, x, MODE)
+            if PAIRED:
+                acc_u = _accumulate(acc_u, wu, x, MODE)
             k_start = k_lo + BLOCK_K
     for k0 in range(k_start, k_lo + k_split, BLOCK_K):
         ks = k0 + tl.arange(0, BLOCK_K)
@@ -182,20 +185,10 @@ def _gemv_kernel(
         x = tl.load(x_rows + ks[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
         w_mask = n_ok[:, None] & k_ok[None, :]
         w = tl.load(w_rows + ks[None, :], mask=w_mask, other=0.0)
-        if MODE == 0:  # BLOCK_M == 1: x is [1, BLOCK_K], broadcast over the rows of W
-            acc += w.to(tl.float32) * x.to(tl.float32)
-        elif MODE == 1:
-            acc = tl.dot(x, tl.trans(w), acc)
-        else:
-            acc = tl.dot(w, tl.trans(x), acc)
+        acc = _accumulate(acc, w, x, MODE)
         if PAIRED:
             wu = tl.load(w_rows + up_off * stride_wn + ks[None, :], mask=w_mask, other=0.0)
-            if MODE == 0:
-                acc_u += wu.to(tl.float32) * x.to(tl.float32)
-            elif MODE == 1:
-                acc_u = tl.dot(x, tl.trans(wu), acc_u)
-            else:
-                acc_u = tl.dot(wu, tl.trans(x), acc_u)
+            acc_u = _accumulate(acc_u, wu, x, MODE)
     # -> [BLOCK_M, BLOCK_N]
     if MODE == 0:
         out = tl.sum(acc, 1)[None, :]
@@ -253,6 +246,7 @@ def _reduce_kernel(
     tl.store(y_ptr + m * stride_ym + cols, res, mask=ok)
 
 
+@functools.lru_cache(maxsize=4)
 def _tile_overrides(spec: str) -> dict[tuple[int, int, bool], GemvConfig]:
     """`RLT_GEMV_TILES` = "NxK=n,k,split,mode,warps,stages;..." (N output columns, `NxK:silu` for
     gate|up): tiles for M=1 calls of those weights, so recipes/decode_variants.py can time a tile
