@@ -54,9 +54,6 @@ class Server(router_support.Server):
         m = next((_JOIN.search(line) for line in log if _JOIN.search(line)), None)
         self.worker_endpoint = m.group(1) if m else None
 
-    def workers(self) -> dict[str, dict]:
-        return self.http.get("/health").json()["workers"]
-
     def idle(self) -> bool:
         return not self.busy()
 
@@ -111,8 +108,7 @@ def launch(model: str, *args: str, ready_timeout: float = 120.0, env: dict | Non
                               env={**os.environ, "UCX_NET_DEVICES": "lo", **(env or {})}) as server:  # fmt: skip
         # /health is 200 once one worker of each role is warm; the others' warm-up handoffs
         # would still hold credits while the first test counts them.
-        server.wait_for(lambda: all(w["status"] == "ready" for w in server.workers().values()), ready_timeout,
-                        "every worker warmed up")  # fmt: skip
+        server.wait_all_warm(ready_timeout)
         yield server
 
 

@@ -64,6 +64,13 @@ class Server:
 
     wait_timeout, poll_s, log_tail = 20.0, 0.1, 30  # wait_for's default timeout, polling, log shown
 
+    def workers(self) -> dict[str, dict]:
+        return self.http.get("/health").json()["workers"]
+
+    def wait_all_warm(self, timeout: float) -> None:
+        self.wait_for(lambda: all(w["status"] == "ready" for w in self.workers().values()), timeout,
+                      "every worker warmed up")  # fmt: skip
+
     def wait_for(self, predicate, timeout: float | None = None, what: str = "condition") -> None:
         end = time.monotonic() + (self.wait_timeout if timeout is None else timeout)
         while time.monotonic() < end:
@@ -74,10 +81,15 @@ class Server:
 
 
 @contextmanager
-def launch(model: str, *args: str, workers: int = 1, ready_timeout: float = 120.0) -> Iterator[Server]:
+def launch(
+    model: str, *args: str, workers: int = 1, ready_timeout: float = 120.0, env: dict[str, str] | None = None
+) -> Iterator[Server]:
+    """`rlt-serve launch` on the demo model until every worker is warm (/health is 200 once one
+    is: a request placed before the others warm up would wait on their warm-up)."""
     cmd = [sys.executable, "-m", "rlt_serve.cli", "launch", "--model", model, "--served-model-name", "demo",
            "--device", "cpu", "--port", "0", "--workers", str(workers), *args]  # fmt: skip
-    with serve(cmd, Server, ready_timeout=ready_timeout) as server:
+    with serve(cmd, Server, ready_timeout=ready_timeout, env={**os.environ, **env} if env else None) as server:
+        server.wait_all_warm(ready_timeout)
         yield server
 
 

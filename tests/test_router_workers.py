@@ -26,7 +26,8 @@ def demo_model(tmp_path_factory: pytest.TempPathFactory) -> str:
 
 @pytest.fixture(scope="module")
 def server(demo_model: str):
-    with launch(demo_model, workers=2) as s:
+    # A slow model (2 ms a step): the long streams cannot finish before their worker is killed.
+    with launch(demo_model, workers=2, env={"RLT_FAULT_INJECT": "step_delay=0.002"}) as s:
         yield s
 
 

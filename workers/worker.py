@@ -29,6 +29,7 @@ from typing import Any
 
 import zmq
 
+from workers.faults import fault
 from workers.protocol import (
     Abort,
     Activate,
@@ -57,6 +58,7 @@ CAPACITY_MIN_INTERVAL_S = 0.05
 HEARTBEAT_S = 0.5
 METRICS_S = 1.0
 EXIT_ENGINE_FAILED = 3
+_STEP_DELAY = fault("step_delay")  # tests only (workers/faults.py)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -281,6 +283,8 @@ class Worker:
             if delta.finish_reason is not None and req.first_token is not None:
                 self.metrics.decode_seconds.observe(now - req.first_token)
             self.send(delta)
+        if outputs and _STEP_DELAY:
+            time.sleep(_STEP_DELAY)
 
     def _enforce_deadlines(self) -> None:
         for rid in self.tracker.expired(time.time()):
