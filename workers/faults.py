@@ -1,9 +1,10 @@
-"""Fault injection for the PD failure tests, off unless `RLT_FAULT_INJECT` names a fault.
+"""Fault injection for the failure tests, off unless `RLT_FAULT_INJECT` names a fault.
 
 Some failures cannot be produced from outside without races: a write that never posts (the
 receiver must time out instead of waiting forever), a request that sits received but not yet
-activated, and a request that is still running when its worker dies. Each fault here does exactly one such thing, in the role that would do it in a real
-failure, and is read once at start-up; with the variable unset every check is a dict lookup.
+activated, and a request that is still running when its worker dies. Each fault here does exactly
+one such thing, in the role that would do it in a real failure, and is read once at start-up;
+with the variable unset every check is a dict lookup.
 
     RLT_FAULT_INJECT="skip_state_write=N"    prefill: for prompts of exactly N tokens, never post the
                                               final-state write (but count it), like a lost write
