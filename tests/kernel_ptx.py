@@ -64,7 +64,7 @@ def attention_compiles() -> None:
     from rlt_serve.attention import triton_backend as tb
 
     const = {"GROUP": 1, "GROUP_P": 16, "TOK_M": 16, "HEAD_D": 128, "HEAD_DP": 128, "BLOCK_N": 64, "PAGE_SIZE": 16,
-             "PRECISION": "tf32", "SPLIT": True, "V_SCALE": 1.0, "FULL_FIRST": False, "PDL": False}  # fmt: skip
+             "PRECISION": "tf32", "SPLIT": True, "V_SCALE": 1.0, "FULL_FIRST": False, "PREFETCH": False, "PDL": False}  # fmt: skip
     # the prompt tile: unmasked blocks first; MHA 64 tokens x 64 keys, GQA 8 tokens x 8 heads x 32 keys, head_dim 96
     prompt = {"TOK_M": 64, "GROUP_P": 1, "FULL_FIRST": True, "SPLIT": False}
     gqa = {"GROUP": 6, "GROUP_P": 8, "TOK_M": 8, "BLOCK_N": 32, "HEAD_D": 96, "FULL_FIRST": True}
@@ -72,9 +72,16 @@ def attention_compiles() -> None:
     for name, kv, bits in (("bf16", "*bf16", 0), ("e4m3", "*fp8e4nv", 1), ("e5m2", "*fp8e5", 2)):
         ptrs = {"q_ptr": "*bf16", "o_ptr": "*bf16", "k_cache": kv, "v_cache": kv, "part_acc": "*fp32",
                 "part_ml": "*fp32", "rows_ptr": "*i32", "tiles_ptr": "*i32", "table_ptr": "*i32"}  # fmt: skip
-        for tile, extra in (("", {}), ("-prompt", prompt), ("-prompt-gqa", gqa)):
+        # decode rows: the first key block read before the PDL wait
+        tiles = (("", {}), ("-prefetch", {"PREFETCH": True, "PDL": True}), ("-prompt", prompt), ("-prompt-gqa", gqa))
+        for tile, extra in tiles:
             fma_count(tb._attention_kernel, ptrs, {**const, **extra, "KV_BITS": bits}, num_warps=4, num_stages=2)
             done[name + tile] = True
+        vector = {"HEAD_D": 128, "HEAD_DP": 128, "BLOCK_N": 32, "PAGE_SIZE": 16, "SPLIT": True, "HEADS_FIRST": True,
+                  "V_WITH_K": True, "PDL": True}  # fmt: skip
+        for prefetch in (False, True):  # the vector decode kernel (float8 decode), first key block before the wait
+            fma_count(tb._decode_mha_kernel, ptrs, {**vector, "PREFETCH": prefetch}, num_warps=1, num_stages=2)
+            done[name + "-vector" + ("-prefetch" if prefetch else "")] = True
     print(json.dumps(done))
 
 

@@ -240,6 +240,25 @@ def test_cuda_graph_decode_matches_eager(tmp_checkpoint, family, concurrency, kv
         assert max(abs(a - b) for a, b in zip(graphed[rid][1], logprobs)) < 1e-4
 
 
+@pytest.mark.parametrize("family,concurrency,kv_cache_dtype",
+                         [("ouro", 1, "auto"), ("ouro", 8, "auto"), ("nanbeige", 8, "auto"), ("ouro", 8, "fp8")])
+def test_attention_prefetch_gives_the_same_decode(tmp_checkpoint, monkeypatch, family, concurrency, kv_cache_dtype):
+    """Graphed bf16 decode with the first key block read before the PDL wait (`prefetch_decode`)
+    gives exactly the tokens and logprobs of decode without it: a read that raced the previous
+    kernel's K/V write would show as a difference here."""
+    _need("triton", torch.bfloat16)
+    from rlt_serve.attention.triton_backend import TritonAttentionBackend
+
+    monkeypatch.delenv("RLT_ATTN_PREFETCH", raising=False)
+
+    path = tmp_checkpoint(family, seed=7, **SHAPES.get(family, {}))
+    runs = {}
+    for prefetch in (False, True):
+        monkeypatch.setattr(TritonAttentionBackend, "prefetch_decode", prefetch)
+        runs[prefetch], _ = _steady_decode(path, "bfloat16", concurrency, kv_cache_dtype=kv_cache_dtype)
+    assert runs[True] == runs[False]
+
+
 @pytest.mark.parametrize("family,mode", [
     ("ouro", dict(kv_layout="last_exited")), ("ouro", dict(kv_layout="last_exited", async_exit=True)),
     ("ouro", dict(kv_layout="last_exited", kv_cache_dtype="fp8")),

@@ -38,6 +38,7 @@ def test_exact_rounding_kernels_compile_without_bf16_fma() -> None:
 def test_attention_kernel_compiles_for_every_kv_dtype() -> None:
     """bf16, e4m3 and e5m2 K/V: the tiled attention kernel compiles for sm_90 (with bf16 KV it did
     not after the float8 change, which only a GPU showed), with the decode tile and the prompt
-    tiles (unmasked loop first; MHA and GQA)."""
-    want = {kv + tile: True for kv in ("bf16", "e4m3", "e5m2") for tile in ("", "-prompt", "-prompt-gqa")}
+    tiles (unmasked loop first; MHA and GQA), the decode tile that reads its first key block
+    before the PDL wait, and the vector decode kernel with and without that prefetch."""
+    want = {kv + tile: True for kv in ("bf16", "e4m3", "e5m2") for tile in ("", "-prefetch", "-prompt", "-prompt-gqa", "-vector", "-vector-prefetch")}
     assert _kernel_ptx("--attention") == want

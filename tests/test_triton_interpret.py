@@ -69,6 +69,24 @@ def test_triton_matches_torch(heads, kv_heads, head_dim, page_size, spans, maske
     assert torch.equal(kv_tri.k, kv_ref.k) and torch.equal(kv_tri.v, kv_ref.v), "KV writes differ"
 
 
+@pytest.mark.parametrize("heads,kv_heads,decode_mha", [(6, 2, False), (4, 4, False), (4, 4, True)],
+                         ids=["tiled-gqa", "tiled", "vector"])  # fmt: skip
+@pytest.mark.parametrize("splits", [1, 3], ids=["whole", "split-kv"])
+def test_decode_prefetch_gives_the_same_bits(monkeypatch, heads, kv_heads, decode_mha, splits):
+    """Decode calls read their first key block before the PDL wait and the query's own key after
+    it (`prefetch_decode`): the same output bits as loading the block in the loop."""
+    monkeypatch.delenv("RLT_ATTN_PREFETCH", raising=False)
+    (_, kv), rows, (q, k, v), mask = _random_call(heads, kv_heads, 24, 16, DECODE_ONLY + [(1, 15), (1, 16)], 1, True)
+    out = {}
+    for prefetch in (False, True):
+        tri = TritonAttentionBackend()
+        tri.decode_mha, tri.prefetch_decode = decode_mha, prefetch
+        if splits > 1:
+            tri.split_target, tri.min_split_keys, tri.max_splits = 10**6, 16, splits
+        out[prefetch] = tri.forward(q, k, v, kv, 1, tri.prepare(rows, kv, mask), 24**-0.5)
+    assert torch.equal(out[True], out[False])
+
+
 @pytest.mark.parametrize(
     "heads,kv_heads,head_dim,page_size,spans",
     [

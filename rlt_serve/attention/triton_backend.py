@@ -26,6 +26,7 @@ Kernels are launched through `rlt_serve.triton_jit.jit`, which imports Triton on
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -66,6 +67,63 @@ def _kv_operand(x, dt, KV_BITS: tl.constexpr):
 
 
 @device_function
+def _block_kv_offsets(n0, hi, table_row, kv_base, stride_page, stride_slot,
+                      BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr, MASKED: tl.constexpr):  # fmt: skip
+    """Key positions [n0, n0 + BLOCK_N), which of them are below `hi`, and their K/V offsets (page lookup)."""
+    pos = n0 + tl.arange(0, BLOCK_N)
+    n_ok = pos < hi
+    if MASKED:
+        page = tl.load(table_row + pos // PAGE_SIZE, mask=n_ok, other=0)
+    else:
+        page = tl.load(table_row + pos // PAGE_SIZE)
+    return pos, n_ok, kv_base + page.to(tl.int64) * stride_page + (pos % PAGE_SIZE) * stride_slot
+
+
+@device_function
+def _load_kt(k_cache, kv_off, d, key_ok, d_ok, MASKED: tl.constexpr, FULL_D: tl.constexpr):
+    """K of a key block, transposed: [HEAD_DP, BLOCK_N]."""
+    if MASKED:
+        kt = tl.load(k_cache + kv_off[None, :] + d[:, None], mask=key_ok[None, :] & d_ok[:, None], other=0.0)
+    elif FULL_D:
+        kt = tl.load(k_cache + kv_off[None, :] + d[:, None])
+    else:
+        kt = tl.load(k_cache + kv_off[None, :] + d[:, None], mask=d_ok[:, None], other=0.0)
+    return kt
+
+
+@device_function
+def _load_v(v_cache, kv_off, d, key_ok, d_ok, MASKED: tl.constexpr, FULL_D: tl.constexpr):
+    """V of a key block: [BLOCK_N, HEAD_DP]."""
+    if MASKED:
+        v = tl.load(v_cache + kv_off[:, None] + d[None, :], mask=key_ok[:, None] & d_ok[None, :], other=0.0)
+    elif FULL_D:
+        v = tl.load(v_cache + kv_off[:, None] + d[None, :])
+    else:
+        v = tl.load(v_cache + kv_off[:, None] + d[None, :], mask=d_ok[None, :], other=0.0)
+    return v
+
+
+@device_function
+def _block_scores(q, m_i, l_i, kt, pos, n_ok, q_pos, qk_scale,
+                  PRECISION: tl.constexpr, KV_BITS: tl.constexpr, MASKED: tl.constexpr):  # fmt: skip
+    """Online softmax over one loaded K block: (probabilities, rescale of the old sums, new max, new sum).
+    Masked-out keys add exact zeros."""
+    s = tl.dot(q, _kv_operand(kt, q.dtype, KV_BITS), input_precision=PRECISION) * qk_scale
+    if MASKED:
+        s = tl.where((pos[None, :] <= q_pos[:, None]) & n_ok[None, :], s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a query that sees no key of this block
+    p = tl.exp2(s - m_safe[:, None])
+    alpha = tl.exp2(m_i - m_safe)
+    return p, alpha, m_new, l_i * alpha + tl.sum(p, 1)
+
+
+@device_function
+def _add_pv(acc, alpha, p, v, dt, PRECISION: tl.constexpr, KV_BITS: tl.constexpr):
+    return acc * alpha[:, None] + tl.dot(p.to(dt), _kv_operand(v, dt, KV_BITS), input_precision=PRECISION)
+
+
+@device_function
 def _attend_block(
     q, acc, m_i, l_i, n0, hi, q_pos, k_cache, v_cache, table_row, kv_base,
     stride_page, stride_slot, d, d_ok, qk_scale,
@@ -75,36 +133,13 @@ def _attend_block(
     """One key block [n0, n0 + BLOCK_N) of the online softmax. MASKED: keys at or past `hi` and
     keys after a query's position are excluded; unmasked blocks (every key seen by every query)
     skip those selects, and with FULL_D (head_dim a power of two) the loads carry no mask at all.
-    Masked-out keys add exact zeros, so both forms give the same bits."""
-    pos = n0 + tl.arange(0, BLOCK_N)
-    n_ok = pos < hi
-    if MASKED:
-        page = tl.load(table_row + pos // PAGE_SIZE, mask=n_ok, other=0)
-    else:
-        page = tl.load(table_row + pos // PAGE_SIZE)
-    kv_off = kv_base + page.to(tl.int64) * stride_page + (pos % PAGE_SIZE) * stride_slot
-    if MASKED:
-        kt = tl.load(k_cache + kv_off[None, :] + d[:, None], mask=n_ok[None, :] & d_ok[:, None], other=0.0)
-    elif FULL_D:
-        kt = tl.load(k_cache + kv_off[None, :] + d[:, None])
-    else:
-        kt = tl.load(k_cache + kv_off[None, :] + d[:, None], mask=d_ok[:, None], other=0.0)
-    s = tl.dot(q, _kv_operand(kt, q.dtype, KV_BITS), input_precision=PRECISION) * qk_scale
-    if MASKED:
-        s = tl.where((pos[None, :] <= q_pos[:, None]) & n_ok[None, :], s, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(s, 1))
-    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a query that sees no key of this block
-    p = tl.exp2(s - m_safe[:, None])
-    alpha = tl.exp2(m_i - m_safe)
-    l_i = l_i * alpha + tl.sum(p, 1)
-    if MASKED:
-        v = tl.load(v_cache + kv_off[:, None] + d[None, :], mask=n_ok[:, None] & d_ok[None, :], other=0.0)
-    elif FULL_D:
-        v = tl.load(v_cache + kv_off[:, None] + d[None, :])
-    else:
-        v = tl.load(v_cache + kv_off[:, None] + d[None, :], mask=d_ok[None, :], other=0.0)
-    pv = tl.dot(p.to(q.dtype), _kv_operand(v, q.dtype, KV_BITS), input_precision=PRECISION)
-    return acc * alpha[:, None] + pv, m_new, l_i
+    V is loaded once the scores are formed, so its registers are free until then."""
+    pos, n_ok, kv_off = _block_kv_offsets(n0, hi, table_row, kv_base, stride_page, stride_slot,
+                                          BLOCK_N, PAGE_SIZE, MASKED)  # fmt: skip
+    kt = _load_kt(k_cache, kv_off, d, n_ok, d_ok, MASKED, FULL_D)
+    p, alpha, m_new, l_i = _block_scores(q, m_i, l_i, kt, pos, n_ok, q_pos, qk_scale, PRECISION, KV_BITS, MASKED)
+    v = _load_v(v_cache, kv_off, d, n_ok, d_ok, MASKED, FULL_D)
+    return _add_pv(acc, alpha, p, v, q.dtype, PRECISION, KV_BITS), m_new, l_i
 
 
 def _write_kv_kernel(
@@ -139,15 +174,20 @@ def _attention_kernel(
     GROUP: tl.constexpr, GROUP_P: tl.constexpr, TOK_M: tl.constexpr,
     HEAD_D: tl.constexpr, HEAD_DP: tl.constexpr, BLOCK_N: tl.constexpr,
     PAGE_SIZE: tl.constexpr, PRECISION: tl.constexpr, SPLIT: tl.constexpr, KV_BITS: tl.constexpr,
-    V_SCALE: tl.constexpr, FULL_FIRST: tl.constexpr, PDL: tl.constexpr,
+    V_SCALE: tl.constexpr, FULL_FIRST: tl.constexpr, PREFETCH: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     """Program (tile, kv_head, split): causal attention of one tile's queries over its row's plane,
     or (SPLIT) over split `s` of the key blocks, leaving unnormalised partials for the combine.
     KV_BITS: float8 K/V read as fp16 bit patterns (_kv_operand), q and p in fp16; V_SCALE undoes
-    the operand's power-of-two scale (the scores' is folded into qk_scale by the caller)."""
+    the operand's power-of-two scale (the scores' is folded into qk_scale by the caller).
+    PREFETCH (one query a row: decode) reads before `gdc_wait` what no kernel of this call writes:
+    row records and page tables (host copies made before the call's first kernel) and the first
+    key block's K/V below the query's position (written by earlier calls). Only q and the query's
+    own key, written by the previous kernel, are loaded after the wait."""
     if PDL:
         tl.extra.cuda.gdc_launch_dependents()
-        tl.extra.cuda.gdc_wait()
+        if not PREFETCH:
+            tl.extra.cuda.gdc_wait()
     tile = tl.program_id(0)
     kvh = tl.program_id(1)
     row = tl.load(tiles_ptr + 2 * tile)
@@ -164,13 +204,6 @@ def _attention_kernel(
     d = tl.arange(0, HEAD_DP)
     d_ok = d < HEAD_D
     q_rows = (q_start + tok).to(tl.int64)
-    q = tl.load(
-        q_ptr + q_rows[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :],
-        mask=m_ok[:, None] & d_ok[None, :],
-        other=0.0,
-    )
-    if KV_BITS != 0:
-        q = q.to(tl.float16)
     q_pos = start_pos + tok
     kv_end = start_pos + tl.minimum(num_q, q_off + TOK_M)
     lo = 0
@@ -180,22 +213,46 @@ def _attention_kernel(
         lo = tl.program_id(2) * per
         hi = tl.minimum(kv_end, lo + per)
     kv_base = plane * stride_plane + kvh * stride_kvh
+    table_row = table_ptr + row * stride_table
+    if PREFETCH:
+        pos0, ok0, off0 = _block_kv_offsets(lo, hi, table_row, kv_base, stride_page, stride_slot,
+                                            BLOCK_N, PAGE_SIZE, True)  # fmt: skip
+        old = ok0 & (pos0 < start_pos)
+        kt0 = _load_kt(k_cache, off0, d, old, d_ok, True, HEAD_D == HEAD_DP)
+        v0 = _load_v(v_cache, off0, d, old, d_ok, True, HEAD_D == HEAD_DP)
+    if PDL and PREFETCH:
+        tl.extra.cuda.gdc_wait()
+    q = tl.load(
+        q_ptr + q_rows[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :],
+        mask=m_ok[:, None] & d_ok[None, :],
+        other=0.0,
+    )
+    if KV_BITS != 0:
+        q = q.to(tl.float16)
 
     m_i = tl.full([TOK_M * GROUP_P], float("-inf"), tl.float32)
     l_i = tl.zeros([TOK_M * GROUP_P], tl.float32)
     acc = tl.zeros([TOK_M * GROUP_P, HEAD_DP], tl.float32)
     mid = lo
+    if PREFETCH:
+        if start_pos < lo + BLOCK_N:  # the block holds the query's own key
+            own = ok0 & (pos0 == start_pos)
+            kt0 = tl.where(own[None, :], _load_kt(k_cache, off0, d, own, d_ok, True, HEAD_D == HEAD_DP), kt0)
+            v0 = tl.where(own[:, None], _load_v(v_cache, off0, d, own, d_ok, True, HEAD_D == HEAD_DP), v0)
+        p, alpha, m_i, l_i = _block_scores(q, m_i, l_i, kt0, pos0, ok0, q_pos, qk_scale, PRECISION, KV_BITS, True)
+        acc = _add_pv(acc, alpha, p, v0, q.dtype, PRECISION, KV_BITS)
+        mid = lo + BLOCK_N
     if FULL_FIRST:  # key blocks every query of the tile sees whole: no causal or range mask
         mid = lo + tl.maximum(tl.minimum(hi, start_pos + q_off + 1) - lo, 0) // BLOCK_N * BLOCK_N
         for n0 in range(lo, mid, BLOCK_N):
             acc, m_i, l_i = _attend_block(
-                q, acc, m_i, l_i, n0, hi, q_pos, k_cache, v_cache, table_ptr + row * stride_table, kv_base,
+                q, acc, m_i, l_i, n0, hi, q_pos, k_cache, v_cache, table_row, kv_base,
                 stride_page, stride_slot, d, d_ok, qk_scale,
                 BLOCK_N, PAGE_SIZE, PRECISION, KV_BITS, False, HEAD_D == HEAD_DP,
             )  # fmt: skip
     for n0 in range(mid, hi, BLOCK_N):
         acc, m_i, l_i = _attend_block(
-            q, acc, m_i, l_i, n0, hi, q_pos, k_cache, v_cache, table_ptr + row * stride_table, kv_base,
+            q, acc, m_i, l_i, n0, hi, q_pos, k_cache, v_cache, table_row, kv_base,
             stride_page, stride_slot, d, d_ok, qk_scale,
             BLOCK_N, PAGE_SIZE, PRECISION, KV_BITS, True, HEAD_D == HEAD_DP,
         )  # fmt: skip
@@ -216,6 +273,36 @@ def _attention_kernel(
         )
 
 
+@device_function
+def _vector_keys(n0, hi, table_row, kv_base, stride_page, stride_slot, d, d_ok, k_cache, key_ok_below,
+                 BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr):  # fmt: skip
+    """Positions, in-range mask, [BLOCK_N, HEAD_DP] offsets of a key block, and its K for the keys
+    below `key_ok_below` (the vector kernel's layout: one key a row)."""
+    pos, n_ok, kv_off = _block_kv_offsets(n0, hi, table_row, kv_base, stride_page, stride_slot,
+                                          BLOCK_N, PAGE_SIZE, True)  # fmt: skip
+    offs = kv_off[:, None] + d[None, :]
+    k = tl.load(k_cache + offs, mask=(n_ok & (pos < key_ok_below))[:, None] & d_ok[None, :], other=0.0)
+    return pos, n_ok, offs, k
+
+
+@device_function
+def _vector_scores(qf, k, n_ok, m_i, l_i, qk_scale):
+    """Online softmax of one query over a [BLOCK_N, HEAD_DP] K block: (p, rescale, new max, new sum).
+    A block with no key in range (an empty split's peeled first block) adds exact zeros."""
+    s = tl.sum(k.to(tl.float32) * qf[None, :], 1) * qk_scale
+    s = tl.where(n_ok, s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 0))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    p = tl.exp2(s - m_safe)
+    alpha = tl.exp2(m_i - m_safe)
+    return p, alpha, m_new, l_i * alpha + tl.sum(p, 0)
+
+
+@device_function
+def _vector_pv(acc, alpha, p, v, dt):
+    return acc * alpha + tl.sum(p.to(dt).to(tl.float32)[:, None] * v.to(tl.float32), 0)
+
+
 def _decode_mha_kernel(
     q_ptr, o_ptr, k_cache, v_cache, rows_ptr, table_ptr,
     part_acc, part_ml, num_splits, cells,
@@ -224,17 +311,19 @@ def _decode_mha_kernel(
     stride_plane, stride_page, stride_slot, stride_kvh, stride_table,
     HEAD_D: tl.constexpr, HEAD_DP: tl.constexpr, BLOCK_N: tl.constexpr,
     PAGE_SIZE: tl.constexpr, SPLIT: tl.constexpr, HEADS_FIRST: tl.constexpr, V_WITH_K: tl.constexpr,
-    PDL: tl.constexpr,
+    PREFETCH: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     """Program (row, head, split) of a one-query-per-row call without GQA: the score of a key is
     a dot product of two vectors, so no matrix-multiply tile is padded out from one query row to
     16 and the program holds a [HEAD_DP] accumulator, leaving registers for more programs in
     flight. Same online softmax, same bf16 rounding of p, same split partials as the tiled kernel.
     HEADS_FIRST puts the head on the fastest grid axis: the programs running side by side are then
-    the heads of one row, which together read each key's contiguous [heads, head_dim] block."""
+    the heads of one row, which together read each key's contiguous [heads, head_dim] block.
+    PREFETCH: the first key block is read before `gdc_wait`, as in the tiled kernel."""
     if PDL:
         tl.extra.cuda.gdc_launch_dependents()
-        tl.extra.cuda.gdc_wait()
+        if not PREFETCH:
+            tl.extra.cuda.gdc_wait()
     row = tl.program_id(1) if HEADS_FIRST else tl.program_id(0)
     head = tl.program_id(0) if HEADS_FIRST else tl.program_id(1)
     q_row = tl.load(rows_ptr + 4 * row).to(tl.int64)
@@ -242,8 +331,6 @@ def _decode_mha_kernel(
     plane = (plane_base + tl.load(rows_ptr + 4 * row + 3)).to(tl.int64)
     d = tl.arange(0, HEAD_DP)
     d_ok = d < HEAD_D
-    q = tl.load(q_ptr + q_row * stride_qt + head * stride_qh + d, mask=d_ok, other=0.0)
-    qf = q.to(tl.float32)
     kv_end = start_pos + 1
     lo = 0
     hi = kv_end
@@ -252,29 +339,37 @@ def _decode_mha_kernel(
         lo = tl.program_id(2) * per
         hi = tl.minimum(kv_end, lo + per)
     kv_base = plane * stride_plane + head * stride_kvh
+    table_row = table_ptr + row * stride_table
+    if PREFETCH:
+        pos0, ok0, offs0, k0 = _vector_keys(lo, hi, table_row, kv_base, stride_page, stride_slot, d, d_ok, k_cache,
+                                            start_pos, BLOCK_N, PAGE_SIZE)  # fmt: skip
+        v0 = tl.load(v_cache + offs0, mask=(ok0 & (pos0 < start_pos))[:, None] & d_ok[None, :], other=0.0)
+    if PDL and PREFETCH:
+        tl.extra.cuda.gdc_wait()
+    q = tl.load(q_ptr + q_row * stride_qt + head * stride_qh + d, mask=d_ok, other=0.0)
+    qf = q.to(tl.float32)
     m_i = tl.max(tl.full([BLOCK_N], float("-inf"), tl.float32), 0)
     l_i = tl.sum(tl.zeros([BLOCK_N], tl.float32), 0)
     acc = tl.zeros([HEAD_DP], tl.float32)
-    for n0 in range(lo, hi, BLOCK_N):
-        pos = n0 + tl.arange(0, BLOCK_N)
-        n_ok = pos < hi
-        page = tl.load(table_ptr + row * stride_table + pos // PAGE_SIZE, mask=n_ok, other=0)
-        kv_off = kv_base + page.to(tl.int64) * stride_page + (pos % PAGE_SIZE) * stride_slot
+    mid = lo
+    if PREFETCH:
+        if start_pos < lo + BLOCK_N:  # the block holds the query's own key
+            own = (ok0 & (pos0 == start_pos))[:, None] & d_ok[None, :]
+            k0 = tl.where(own, tl.load(k_cache + offs0, mask=own, other=0.0), k0)
+            v0 = tl.where(own, tl.load(v_cache + offs0, mask=own, other=0.0), v0)
+        p, alpha, m_i, l_i = _vector_scores(qf, k0, ok0, m_i, l_i, qk_scale)
+        acc = _vector_pv(acc, alpha, p, v0, q.dtype)
+        mid = lo + BLOCK_N
+    for n0 in range(mid, hi, BLOCK_N):
+        pos, n_ok, offs, k = _vector_keys(n0, hi, table_row, kv_base, stride_page, stride_slot, d, d_ok, k_cache,
+                                          hi, BLOCK_N, PAGE_SIZE)  # fmt: skip
         kv_mask = n_ok[:, None] & d_ok[None, :]
-        k = tl.load(k_cache + kv_off[:, None] + d[None, :], mask=kv_mask, other=0.0)
         if V_WITH_K:
-            v = tl.load(v_cache + kv_off[:, None] + d[None, :], mask=kv_mask, other=0.0)
-        s = tl.sum(k.to(tl.float32) * qf[None, :], 1) * qk_scale
-        s = tl.where(n_ok, s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 0))
-        p = tl.exp2(s - m_new)
-        alpha = tl.exp2(m_i - m_new)
-        l_i = l_i * alpha + tl.sum(p, 0)
+            v = tl.load(v_cache + offs, mask=kv_mask, other=0.0)
+        p, alpha, m_i, l_i = _vector_scores(qf, k, n_ok, m_i, l_i, qk_scale)
         if not V_WITH_K:
-            v = tl.load(v_cache + kv_off[:, None] + d[None, :], mask=kv_mask, other=0.0)
-        pv = p.to(q.dtype).to(tl.float32)
-        acc = acc * alpha + tl.sum(pv[:, None] * v.to(tl.float32), 0)
-        m_i = m_new
+            v = tl.load(v_cache + offs, mask=kv_mask, other=0.0)
+        acc = _vector_pv(acc, alpha, p, v, q.dtype)
     if SPLIT:
         n_heads = tl.num_programs(0) if HEADS_FIRST else tl.num_programs(1)
         cell = tl.program_id(2).to(tl.int64) * cells + q_row * n_heads + head
@@ -366,6 +461,10 @@ class TritonAttentionBackend(AttentionBackend):
     fp8_warps_in_flight = 2048  # unsplit: programs x warps to aim for (about 16 warps an SM)
     fp8_split_block_n = 32
     heads_first = True  # its grid order (see the kernel)
+    # Decode calls may read their first key block before `gdc_wait` (the kernel's docstring says why
+    # that is safe). Off until timed and tested on a GPU (the CPU interpreter shows equal bits and
+    # sm_90 compiles); `RLT_ATTN_PREFETCH=1` turns it on.
+    prefetch_decode = False
     v_with_k = False  # bf16 vector kernel: V loaded after the scores (with K's loads: fp8_vector_tile)
     fp8_bits = True  # float8 K/V into 16-bit dots by bit moves, not conversion (_kv_operand)
     max_splits = 16
@@ -472,7 +571,8 @@ class TritonAttentionBackend(AttentionBackend):
                 q.stride(0), q.stride(1), out.stride(0), out.stride(1),
                 k_pages.stride(0), k_pages.stride(1), k_pages.stride(2), k_pages.stride(3), data.table.stride(0),
                 HEAD_D=head_dim, HEAD_DP=head_dp, BLOCK_N=block_n, PAGE_SIZE=kv.page_size, SPLIT=splits > 1,
-                HEADS_FIRST=self.heads_first, V_WITH_K=v_with_k, num_warps=warps, **pdl(q), **({} if self.num_stages is None else {"num_stages": self.num_stages}),
+                HEADS_FIRST=self.heads_first, V_WITH_K=v_with_k, PREFETCH=self._prefetch(data), num_warps=warps,
+                **pdl(q), **({} if self.num_stages is None else {"num_stages": self.num_stages}),
             )  # fmt: skip
             return self._combine(out, part_acc, part_ml, splits, t, heads, head_dim, head_dp)
         tiles, num_tiles = data.tiles_for(tok_m, kv.device)
@@ -485,6 +585,7 @@ class TritonAttentionBackend(AttentionBackend):
             warps, stages = self.prefill_warps, self.prefill_stages
             full_first, min_keys = self.prefill_full_first, self.prefill_min_split_keys
         splits = self.num_splits(num_tiles * kv_heads, data.max_end, kv.device, min_keys)
+        prefetch = self._prefetch(data)
         part_acc, part_ml = self._partials(splits, t, heads, head_dp, out)
         jit(_attention_kernel)[(num_tiles, kv_heads, splits)](
             q, out, k_pages, kv.v, data.rows, tiles, data.table,
@@ -494,10 +595,15 @@ class TritonAttentionBackend(AttentionBackend):
             k_pages.stride(0), k_pages.stride(1), k_pages.stride(2), k_pages.stride(3), data.table.stride(0),
             GROUP=group, GROUP_P=group_p, TOK_M=tok_m, HEAD_D=head_dim, HEAD_DP=head_dp,
             BLOCK_N=block_n, PAGE_SIZE=kv.page_size, PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-            SPLIT=splits > 1, KV_BITS=kv_bits, V_SCALE=op_scale, FULL_FIRST=full_first,
-            num_warps=warps, **pdl(q), **({} if stages is None else {"num_stages": stages}),
+            SPLIT=splits > 1, KV_BITS=kv_bits, V_SCALE=op_scale, FULL_FIRST=full_first and not prefetch,
+            PREFETCH=prefetch, num_warps=warps, **pdl(q), **({} if stages is None else {"num_stages": stages}),
         )  # fmt: skip
         return self._combine(out, part_acc, part_ml, splits, t, heads, head_dim, head_dp)
+
+    def _prefetch(self, data: TritonCallData) -> bool:
+        """Whether the call's first key block is read before the PDL wait: one-query rows only."""
+        wanted = self.prefetch_decode or os.environ.get("RLT_ATTN_PREFETCH") == "1"
+        return wanted and max(data.num_query) == 1
 
     def prompt_rows(self, dtype: torch.dtype) -> int:
         """Rows of the prompt tile for q in `dtype` (0: none). 16-bit only: the sweep timed bf16, and
