@@ -522,7 +522,8 @@ def render(res: dict[str, Any]) -> str:
         lines.append(f"{'CUDA-graph hit rate (decode steps)':<34}{hit:>12.1%}   {g['replays']}/{g['fused_decode_steps']}{why}")
         if g.get("loop_calls"):
             hit = g["loop_replays"] / g["loop_calls"]
-            lines.append(f"{'  ... of one-loop calls (prompts)':<34}{hit:>12.1%}   {g['loop_replays']}/{g['loop_calls']}")
+            lines.append(f"{'  ... of one-loop calls':<34}{hit:>12.1%}   {g['loop_replays']}/{g['loop_calls']}"
+                         " (prompt chunks, drafts, early-exit rows)")
     if res.get("host_syncs_per_decode_step") is not None:
         where = ", ".join(f"{k.rsplit('/', 1)[-1]} x{v}" for k, v in res.get("host_sync_sites", {}).items())
         lines.append(f"{'host syncs per decode step':<34}{res['host_syncs_per_decode_step']:>12.3g}   {where}")
