@@ -64,7 +64,8 @@ def attention_compiles() -> None:
     from rlt_serve.attention import triton_backend as tb
 
     const = {"GROUP": 1, "GROUP_P": 16, "TOK_M": 16, "HEAD_D": 128, "HEAD_DP": 128, "BLOCK_N": 64, "PAGE_SIZE": 16,
-             "PRECISION": "tf32", "SPLIT": True, "V_SCALE": 1.0, "FULL_FIRST": False, "PREFETCH": False, "PDL": False}  # fmt: skip
+             "PRECISION": "tf32", "SPLIT": True, "V_SCALE": 1.0, "FULL_FIRST": False, "PREFETCH": False,
+             "PDL": False}  # fmt: skip
     # the prompt tile: unmasked blocks first; MHA 64 tokens x 64 keys, GQA 8 tokens x 8 heads x 32 keys, head_dim 96
     prompt = {"TOK_M": 64, "GROUP_P": 1, "FULL_FIRST": True, "SPLIT": False}
     gqa = {"GROUP": 6, "GROUP_P": 8, "TOK_M": 8, "BLOCK_N": 32, "HEAD_D": 96, "FULL_FIRST": True}

@@ -40,5 +40,6 @@ def test_attention_kernel_compiles_for_every_kv_dtype() -> None:
     not after the float8 change, which only a GPU showed), with the decode tile and the prompt
     tiles (unmasked loop first; MHA and GQA), the decode tile that reads its first key block
     before the PDL wait, and the vector decode kernel with and without that prefetch."""
-    want = {kv + tile: True for kv in ("bf16", "e4m3", "e5m2") for tile in ("", "-prefetch", "-prompt", "-prompt-gqa", "-vector", "-vector-prefetch")}
+    tiles = ("", "-prefetch", "-prompt", "-prompt-gqa", "-vector", "-vector-prefetch")
+    want = {kv + tile: True for kv in ("bf16", "e4m3", "e5m2") for tile in tiles}
     assert _kernel_ptx("--attention") == want

@@ -274,15 +274,13 @@ def _attention_kernel(
 
 
 @device_function
-def _vector_keys(n0, hi, table_row, kv_base, stride_page, stride_slot, d, d_ok, k_cache, key_ok_below,
-                 BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr):  # fmt: skip
-    """Positions, in-range mask, [BLOCK_N, HEAD_DP] offsets of a key block, and its K for the keys
-    below `key_ok_below` (the vector kernel's layout: one key a row)."""
+def _vector_offsets(n0, hi, table_row, kv_base, stride_page, stride_slot, d,
+                    BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr):  # fmt: skip
+    """Positions, in-range mask and [BLOCK_N, HEAD_DP] K/V offsets of a key block in the vector
+    kernel's layout (one key a row)."""
     pos, n_ok, kv_off = _block_kv_offsets(n0, hi, table_row, kv_base, stride_page, stride_slot,
                                           BLOCK_N, PAGE_SIZE, True)  # fmt: skip
-    offs = kv_off[:, None] + d[None, :]
-    k = tl.load(k_cache + offs, mask=(n_ok & (pos < key_ok_below))[:, None] & d_ok[None, :], other=0.0)
-    return pos, n_ok, offs, k
+    return pos, n_ok, kv_off[:, None] + d[None, :]
 
 
 @device_function
@@ -341,9 +339,10 @@ def _decode_mha_kernel(
     kv_base = plane * stride_plane + head * stride_kvh
     table_row = table_ptr + row * stride_table
     if PREFETCH:
-        pos0, ok0, offs0, k0 = _vector_keys(lo, hi, table_row, kv_base, stride_page, stride_slot, d, d_ok, k_cache,
-                                            start_pos, BLOCK_N, PAGE_SIZE)  # fmt: skip
-        v0 = tl.load(v_cache + offs0, mask=(ok0 & (pos0 < start_pos))[:, None] & d_ok[None, :], other=0.0)
+        pos0, ok0, offs0 = _vector_offsets(lo, hi, table_row, kv_base, stride_page, stride_slot, d, BLOCK_N, PAGE_SIZE)
+        old = (ok0 & (pos0 < start_pos))[:, None] & d_ok[None, :]
+        k0 = tl.load(k_cache + offs0, mask=old, other=0.0)
+        v0 = tl.load(v_cache + offs0, mask=old, other=0.0)
     if PDL and PREFETCH:
         tl.extra.cuda.gdc_wait()
     q = tl.load(q_ptr + q_row * stride_qt + head * stride_qh + d, mask=d_ok, other=0.0)
@@ -361,9 +360,9 @@ def _decode_mha_kernel(
         acc = _vector_pv(acc, alpha, p, v0, q.dtype)
         mid = lo + BLOCK_N
     for n0 in range(mid, hi, BLOCK_N):
-        pos, n_ok, offs, k = _vector_keys(n0, hi, table_row, kv_base, stride_page, stride_slot, d, d_ok, k_cache,
-                                          hi, BLOCK_N, PAGE_SIZE)  # fmt: skip
+        pos, n_ok, offs = _vector_offsets(n0, hi, table_row, kv_base, stride_page, stride_slot, d, BLOCK_N, PAGE_SIZE)
         kv_mask = n_ok[:, None] & d_ok[None, :]
+        k = tl.load(k_cache + offs, mask=kv_mask, other=0.0)
         if V_WITH_K:
             v = tl.load(v_cache + offs, mask=kv_mask, other=0.0)
         p, alpha, m_i, l_i = _vector_scores(qf, k, n_ok, m_i, l_i, qk_scale)
